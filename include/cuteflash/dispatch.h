@@ -1,0 +1,28 @@
+// The host's view of the compiled kernels: which families are in the module, whether a family's code
+// runs on the current device, and the launcher of each (family, direction, dtype, head dim).
+// Implemented by the generated dispatch.cpp (see src/kernels/generate.py).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <vector>
+
+#include "cuteflash/params.h"
+
+namespace cuteflash {
+
+enum class Family : int { kSm70 = 70, kSm80 = 80 };
+
+using FwdFn = void (*)(FwdParams const&, cudaStream_t);
+
+// True when the module holds code of this family that the current device can run.
+bool family_runs(Family family);
+
+// The forward launcher for a kernel head dim (one of kHeadDims), or nullptr if it was not compiled.
+FwdFn find_fwd(Family family, DType dtype, int head_dim);
+
+// Names of the compiled launchers, e.g. "run_fwd_sm80_fp16_hd64".
+std::vector<std::string> compiled_kernels();
+
+}  // namespace cuteflash

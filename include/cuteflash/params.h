@@ -1,0 +1,38 @@
+// Plain structs shared by the host and the kernels. Filled in src/api.cpp from values that Python
+// passes (pointers, sizes, strides); no torch types anywhere below this line.
+#pragma once
+
+#include <cstdint>
+
+namespace cuteflash {
+
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
+
+// One attention problem in flash-attn's layout: q (batch, seqlen_q, nheads, head_dim),
+// k and v (batch, seqlen_k, nheads_k, head_dim), o like q, lse (batch, nheads, seqlen_q) in fp32.
+// Strides are in elements; the last dimension of every tensor is contiguous.
+struct FwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;
+
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+
+  int batch;
+  int nheads;
+  int nheads_k;  // nheads is a multiple of it (MQA/GQA)
+  int seqlen_q;
+  int seqlen_k;
+  int head_dim;  // the real head dim, <= the kernel's kHeadDim and a multiple of 8
+
+  float softmax_scale;       // applied to QK^T, 1/sqrt(head_dim) by default
+  float softmax_scale_log2;  // softmax_scale * log2(e): the kernels use exp2
+  bool causal;               // bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
+};
+
+}  // namespace cuteflash

@@ -1,0 +1,218 @@
+// sm80 forward kernel: FlashAttention-2 with ldmatrix + mma.sync.m16n8k16 + cp.async.
+//
+// One thread block owns kBlockM query rows of one (batch, head). It walks the visible key blocks from
+// the last to the first (so the masked blocks come first and the rest run without a mask), keeping
+// the running softmax statistics and O in registers:
+//   S = Q K^T  ->  mask  ->  P = exp(scale (S - m)), rescale O and l  ->  O += P V
+// K of the next block loads while the softmax and P V of this one run; V loads while S is computed.
+#pragma once
+
+#include "cuteflash/block_info.cuh"
+#include "cuteflash/mask.cuh"
+#include "cuteflash/params.h"
+#include "cuteflash/softmax.cuh"
+#include "cuteflash/sm80/traits.h"
+#include "cuteflash/utils.cuh"
+
+namespace cuteflash::sm80 {
+
+// acc += A B^T with both operands in shared memory. The fragments of k-slice i+1 are loaded while the
+// MMAs of slice i run.
+template <typename Acc, typename RegA, typename RegB, typename SmemA, typename SmemB, typename TiledMma,
+          typename CopyA, typename ThrCopyA, typename CopyB, typename ThrCopyB>
+__device__ __forceinline__ void gemm_ss(Acc& acc, RegA& tCrA, RegB& tCrB, SmemA const& tCsA, SmemB const& tCsB,
+                                        TiledMma const& tiled_mma, CopyA const& copy_a, ThrCopyA const& thr_copy_a,
+                                        CopyB const& copy_b, ThrCopyB const& thr_copy_b) {
+  Tensor tCrA_view = thr_copy_a.retile_D(tCrA);
+  Tensor tCrB_view = thr_copy_b.retile_D(tCrB);
+  copy(copy_a, tCsA(_, _, 0), tCrA_view(_, _, 0));
+  copy(copy_b, tCsB(_, _, 0), tCrB_view(_, _, 0));
+  CUTE_UNROLL
+  for (int i = 0; i < size<2>(tCrA); ++i) {
+    if (i + 1 < size<2>(tCrA)) {
+      copy(copy_a, tCsA(_, _, i + 1), tCrA_view(_, _, i + 1));
+      copy(copy_b, tCsB(_, _, i + 1), tCrB_view(_, _, i + 1));
+    }
+    gemm(tiled_mma, tCrA(_, _, i), tCrB(_, _, i), acc);
+  }
+}
+
+// acc += A B^T with A already in registers (P) and B in shared memory (V^T).
+template <typename Acc, typename RegA, typename RegB, typename SmemB, typename TiledMma, typename CopyB,
+          typename ThrCopyB>
+__device__ __forceinline__ void gemm_rs(Acc& acc, RegA const& tCrA, RegB& tCrB, SmemB const& tCsB,
+                                        TiledMma const& tiled_mma, CopyB const& copy_b, ThrCopyB const& thr_copy_b) {
+  Tensor tCrB_view = thr_copy_b.retile_D(tCrB);
+  copy(copy_b, tCsB(_, _, 0), tCrB_view(_, _, 0));
+  CUTE_UNROLL
+  for (int i = 0; i < size<2>(tCrA); ++i) {
+    if (i + 1 < size<2>(tCrA)) copy(copy_b, tCsB(_, _, i + 1), tCrB_view(_, _, i + 1));
+    gemm(tiled_mma, tCrA(_, _, i), tCrB(_, _, i), acc);
+  }
+}
+
+// (kRows, kHeadDim) tile of a (seqlen, head_dim) matrix of one (batch, head), for blocks along rows.
+template <int kRows, int kHeadDim, typename Element>
+__device__ __forceinline__ auto head_tiles(Element* base, int64_t batch_offset, int64_t head_offset, int seqlen,
+                                           int64_t row_stride) {
+  Tensor m = make_tensor(make_gmem_ptr(base + batch_offset + head_offset), make_shape(seqlen, Int<kHeadDim>{}),
+                         make_stride(row_stride, _1{}));
+  return local_tile(m, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kRows, kHeadDim, n_tiles)
+}
+
+// Writes O from shared memory to global (rows < seqlen_q, columns < head_dim), 16 bytes per thread.
+template <typename Traits, typename SmemO, typename GmemO>
+__device__ __forceinline__ void store_o(SmemO const& sO, GmemO& gO, FwdParams const& p, int rows_left) {
+  typename Traits::GmemTiledCopyO gmem_copy_o;
+  auto thr = gmem_copy_o.get_thread_slice(threadIdx.x);
+  Tensor cO = make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});
+  copy_tile_bounded<false>(gmem_copy_o, thr.partition_S(sO), thr.partition_D(gO), thr.partition_S(cO), rows_left,
+                           p.head_dim);
+}
+
+// A query block that sees no key (causal with seqlen_q > seqlen_k): O = 0 and lse = +inf.
+template <typename Traits, typename SmemO, typename GmemO>
+__device__ void store_empty_block(SmemO& sO, GmemO& gO, float* lse, FwdParams const& p, int rows_left) {
+  typename Traits::GmemTiledCopyO gmem_copy_o;
+  clear(gmem_copy_o.get_thread_slice(threadIdx.x).partition_S(sO));  // the same elements store_o reads back
+  store_o<Traits>(sO, gO, p, rows_left);
+  for (int row = threadIdx.x; row < min(rows_left, Traits::kBlockM); row += Traits::kNThreads) lse[row] = INFINITY;
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+
+  extern __shared__ __align__(128) char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+
+  // The heaviest causal blocks (most keys) are scheduled first, so that the grid's tail is light.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int head_k = head / (p.nheads / p.nheads_k);
+  const int tid = threadIdx.x;
+  const int rows_left = p.seqlen_q - m_block * kBlockM;
+
+  Tensor gQ = head_tiles<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
+                                            head * p.q_head_stride, p.seqlen_q, p.q_row_stride)(_, _, m_block);
+  Tensor gO = head_tiles<kBlockM, kHeadDim>(static_cast<Element*>(p.o), batch * p.o_batch_stride,
+                                            head * p.o_head_stride, p.seqlen_q, p.o_row_stride)(_, _, m_block);
+  Tensor gK = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
+                                            head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride);
+  Tensor gV = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
+                                            head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride);
+  // gQ, gO: (kBlockM, kHeadDim); gK, gV: (kBlockN, kHeadDim, n_blocks)
+  float* lse = p.lse + (int64_t(batch) * p.nheads + head) * p.seqlen_q + m_block * kBlockM;
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});    // (kBlockM, kHeadDim)
+  Tensor sO = make_tensor(make_smem_ptr(smem.o.data()), typename Traits::SmemLayoutO{});    // (kBlockM, kHeadDim)
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});   // (kBlockN, kHeadDim)
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});   // (kBlockN, kHeadDim)
+  Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});  // (kHeadDim, kBlockN)
+
+  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
+  if (keys.n_block_max == 0) {
+    store_empty_block<Traits>(sO, gO, lse, p, rows_left);
+    return;
+  }
+
+  // ---- Load Q and the last K block (cp.async, zero-filled past seqlen and head_dim).
+  typename Traits::GmemTiledCopyQKV gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor tQgQ = gmem_thr.partition_S(gQ);  // (CPY, CPY_M, CPY_K)
+  Tensor tQsQ = gmem_thr.partition_D(sQ);
+  Tensor tKgK = gmem_thr.partition_S(gK);  // (CPY, CPY_N, CPY_K, n_blocks)
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVgV = gmem_thr.partition_S(gV);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  auto load_kv = [&](auto const& tSrc, auto& tDst, int n_block) {
+    copy_tile_bounded<true>(gmem_copy, tSrc(_, _, _, n_block), tDst, tKVcKV, p.seqlen_k - n_block * kBlockN,
+                            p.head_dim);
+    cp_async_commit();
+  };
+
+  int n_block = keys.n_block_max - 1;
+  copy_tile_bounded<true>(gmem_copy, tQgQ, tQsQ, tQcQ, rows_left, p.head_dim);
+  load_kv(tKgK, tKsK, n_block);
+
+  // ---- MMA operands and the shared-memory -> register copies that feed them.
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tid);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K)
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVt);  // (MMA, MMA_K over head dim, MMA_N over keys)
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
+  clear(acc_o);
+
+  auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_q = smem_copy_q.get_thread_slice(tid);
+  Tensor tSsQ = smem_thr_q.partition_S(sQ);
+  auto smem_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_k = smem_copy_k.get_thread_slice(tid);
+  Tensor tSsK = smem_thr_k.partition_S(sK);
+  auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+  auto smem_thr_v = smem_copy_v.get_thread_slice(tid);
+  Tensor tOsVt = smem_thr_v.partition_S(sVt);
+
+  // (row, col) of each score this thread holds, in the (rows, cols) view of the accumulator.
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+  constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+  OnlineSoftmax<kRows> softmax;
+
+  auto step = [&](int n_block, auto masked) {
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+    clear(acc_s);
+    cp_async_wait<0>();
+    __syncthreads();  // K[n_block] is in sK, and no warp still reads sV
+    load_kv(tVgV, tVsV, n_block);
+
+    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_thr_q, smem_copy_k, smem_thr_k);
+    Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
+    if constexpr (decltype(masked)::value) {
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V[n_block] is in sV, and no warp still reads sK
+    if (n_block > 0) load_kv(tKgK, tKsK, n_block - 1);
+
+    softmax.update(s, acc_o_rc, p.softmax_scale_log2);
+    Tensor rP = convert_fragment<Element>(acc_s);
+    Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));  // (MMA, MMA_M, MMA_K over keys)
+    gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
+  };
+  for (; n_block >= keys.n_block_first_masked; --n_block) step(n_block, cute::true_type{});
+  for (; n_block >= 0; --n_block) step(n_block, cute::false_type{});
+
+  // ---- Epilogue: O /= l, lse = m * scale + log(l); O goes through shared memory for 16-byte stores.
+  float row_lse[kRows];
+  softmax.finalize(acc_o_rc, p.softmax_scale, row_lse);
+  Tensor rO = convert_fragment<Element>(acc_o);
+
+  __syncthreads();  // sO aliases sQ
+  auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+  auto smem_thr_o = smem_copy_o.get_thread_slice(tid);
+  copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
+
+  Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  if (get<1>(tOcO_rc(0, 0)) == 0) {  // the first thread of each quad writes the quad's rows
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      int row = get<0>(tOcO_rc(mi, 0));
+      if (row < rows_left) lse[row] = row_lse[mi];
+    }
+  }
+  __syncthreads();
+  store_o<Traits>(sO, gO, p, rows_left);
+}
+
+}  // namespace cuteflash::sm80

@@ -1,0 +1,89 @@
+// Compile-time configuration of one sm80 kernel: element type, tile shape, MMA, shared-memory layouts
+// and the copies between global, shared and register memory.
+#pragma once
+
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+
+#include "cuteflash/tile_config.h"
+
+namespace cuteflash::sm80 {
+
+using namespace cute;
+
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct FwdTraits {
+  using Element = Element_;
+  static_assert(std::is_same_v<Element, half_t> || std::is_same_v<Element, bfloat16_t>);
+
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+
+  // mma.sync.m16n8k16, fp32 accumulation. Warps are stacked along M (each owns kBlockM / kNWarps query
+  // rows, so the row statistics of the softmax never leave a warp); the 16-wide N tile lets one
+  // ldmatrix.x4 feed two n8 MMAs.
+  using MmaAtom = std::conditional_t<std::is_same_v<Element, half_t>,
+                                     MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
+                                     MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
+  using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
+  static_assert(kBlockM % (16 * kNWarps) == 0);
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0);
+
+  // Shared memory: rows of 64 (or 32) elements, XOR-swizzled in 16-byte chunks so that the ldmatrix
+  // reads of 8 rows and the 16-byte cp.async writes of a row both hit 8 different bank groups.
+  static constexpr int kSmemRowElems = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzleBits = kSmemRowElems == 64 ? 3 : 2;
+  using SmemLayoutAtom = decltype(composition(
+      Swizzle<kSwizzleBits, 3, 3>{},
+      Layout<Shape<_8, Int<kSmemRowElems>>, Stride<Int<kSmemRowElems>, _1>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // V read as V^T, (kHeadDim, kBlockN), for the B operand of O += P V.
+  using SmemLayoutVt =
+      decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  using SmemLayoutO = SmemLayoutQ;
+
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+
+  // Global <-> shared: 16 bytes (8 elements) per thread per copy, a row of the smem atom per
+  // kGmemThreadsPerRow threads, so each warp reads whole 128-byte (or 64-byte) row segments.
+  static constexpr int kGmemElemsPerCopy = 8;
+  static constexpr int kGmemThreadsPerRow = kSmemRowElems / kGmemElemsPerCopy;
+  static_assert(kNThreads % kGmemThreadsPerRow == 0);
+  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+                                  Stride<Int<kGmemThreadsPerRow>, _1>>;
+  using GmemValLayout = Layout<Shape<_1, Int<kGmemElemsPerCopy>>>;
+  using GmemTiledCopyQKV = decltype(make_tiled_copy(
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{}, GmemThreadLayout{}, GmemValLayout{}));
+  using GmemTiledCopyO =
+      decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreadLayout{}, GmemValLayout{}));
+  static_assert(kBlockM % (kNThreads / kGmemThreadsPerRow) == 0);
+  static_assert(kBlockN % (kNThreads / kGmemThreadsPerRow) == 0);
+
+  struct SharedStorage {
+    // sO reuses sQ: Q is last read by the final S = Q K^T, before the epilogue writes O.
+    union {
+      array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+      array_aligned<Element, cosize_v<SmemLayoutO>> o;
+    };
+    array_aligned<Element, cosize_v<SmemLayoutKV>> k;
+    array_aligned<Element, cosize_v<SmemLayoutKV>> v;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes == TileConfig{kBlockM, kBlockN, kNWarps}.smem_bytes_fwd(kHeadDim, sizeof(Element)));
+};
+
+// The traits of the tile chosen for a head dim, on a large- or a small-shared-memory device.
+template <typename Element, int kHeadDim, bool kSmallSmem>
+struct FwdTraitsSelect {
+  static constexpr TileConfig kTile = kSmallSmem ? sm80_fwd_tile_small_smem(kHeadDim) : sm80_fwd_tile(kHeadDim);
+  using type = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.n_warps>;
+};
+
+}  // namespace cuteflash::sm80

@@ -1,0 +1,65 @@
+// Online softmax over key blocks (FlashAttention-2): running row max m and row sum l, with the
+// output accumulator rescaled whenever m grows. Works on (rows, cols) views of MMA accumulators.
+#pragma once
+
+#include "cuteflash/utils.cuh"
+
+namespace cuteflash {
+
+template <int kRows>
+struct OnlineSoftmax {
+  float m[kRows];  // running max of the raw scores S (not yet scaled)
+  float l[kRows];  // this thread's part of the running sum of P; summed over the quad at the end
+
+  __device__ OnlineSoftmax() {
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      m[i] = -INFINITY;
+      l[i] = 0.f;
+    }
+  }
+
+  // Turns S into P = exp(scale * (S - m_new)) in place and rescales acc_o by exp(scale * (m_old - m_new)).
+  template <typename STensor, typename OTensor>
+  __device__ __forceinline__ void update(STensor& s, OTensor& acc_o, float scale_log2) {
+    static_assert(decltype(size<0>(s))::value == kRows);
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      float m_new = m[mi];
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(s); ++ni) m_new = fmaxf(m_new, s(mi, ni));
+      m_new = quad_allreduce(m_new, MaxOp{});
+      // A row with every key masked so far keeps m = -inf; subtracting 0 keeps its P at 0, not NaN.
+      float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+      float correction = exp2_approx(m[mi] * scale_log2 - m_scaled);
+      m[mi] = m_new;
+      l[mi] *= correction;
+      CUTE_UNROLL
+      for (int oi = 0; oi < size<1>(acc_o); ++oi) acc_o(mi, oi) *= correction;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(s); ++ni) {
+        s(mi, ni) = exp2_approx(s(mi, ni) * scale_log2 - m_scaled);
+        sum += s(mi, ni);
+      }
+      l[mi] += sum;
+    }
+  }
+
+  // Normalises acc_o by the row sums and returns the log-sum-exp of scale * S per row. A row that saw
+  // no key gets O = 0 and lse = +inf (as flash-attn), so that exp(S - lse) = 0 in the backward pass.
+  template <typename OTensor>
+  __device__ __forceinline__ void finalize(OTensor& acc_o, float softmax_scale, float (&lse)[kRows]) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      float sum = quad_allreduce(l[mi], SumOp{});
+      bool empty = sum == 0.f;  // a NaN sum (from NaN inputs) propagates to O and lse
+      float inv = empty ? 0.f : 1.f / sum;
+      lse[mi] = empty ? INFINITY : m[mi] * softmax_scale + logf(sum);
+      CUTE_UNROLL
+      for (int oi = 0; oi < size<1>(acc_o); ++oi) acc_o(mi, oi) *= inv;
+    }
+  }
+};
+
+}  // namespace cuteflash

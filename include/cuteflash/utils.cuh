@@ -1,0 +1,106 @@
+// Small device helpers shared by both kernel families: layout views of MMA accumulators, type
+// conversion of register fragments, predicated tile copies, and host-side CUDA error checks.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+namespace cuteflash {
+
+using namespace cute;
+
+inline void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("cuteflash: ") + what + " failed: " + cudaGetErrorString(err));
+  }
+}
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// 2^x on the special function unit; ex2.approx(-inf) is +0, which masked entries rely on.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The four threads of a quad (lanes 4i..4i+3) hold one accumulator row between them.
+template <typename Op>
+__device__ __forceinline__ float quad_allreduce(float x, Op op) {
+  x = op(x, __shfl_xor_sync(0xffffffff, x, 2));
+  return op(x, __shfl_xor_sync(0xffffffff, x, 1));
+}
+
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+
+// An m16n8 accumulator fragment ((2, 2), MMA_M, MMA_N) viewed as (rows, cols) =
+// ((2, MMA_M), (2, MMA_N)): value mode 0 is (column pair, row half).
+template <typename Layout>
+__host__ __device__ constexpr auto acc_rowcol(Layout acc) {
+  static_assert(decltype(rank(acc))::value == 3);
+  static_assert(decltype(size<0>(acc))::value == 4);
+  auto l = logical_divide(acc, Shape<_2>{});  // ((2, 2), MMA_M, MMA_N)
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<2>(l)));
+}
+
+// The same accumulator read as the A operand of the next m16n8k16 product (P in P.V):
+// two neighbouring n8 blocks form one k16 slice, ((4, 2), MMA_M, MMA_N / 2).
+template <typename Layout>
+__host__ __device__ constexpr auto acc_as_a_operand(Layout acc) {
+  static_assert(decltype(size<0>(acc))::value == 4);
+  static_assert(decltype(size<2>(acc))::value % 2 == 0);
+  auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // (4, MMA_M, (2, MMA_N / 2))
+  return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
+}
+
+// Element-wise conversion of a register fragment into a new fragment of the same layout.
+template <typename To, typename Engine, typename Layout>
+__device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
+  using From = typename Engine::value_type;
+  constexpr int N = decltype(size(src))::value;
+  Tensor dst = make_tensor<To>(src.layout());
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
+  return dst;
+}
+
+// Copy a partitioned tile (CPY, CPY_ROWS, CPY_COLS) whose rows or columns may run past the tensor:
+// `coord` is the identity tensor partitioned the same way, giving each chunk's (row, col) in the tile.
+// Chunks outside [0, max_rows) x [0, max_cols) are skipped, or zero-filled in `dst` when `kZeroFill`.
+template <bool kZeroFill, typename TiledCopy, typename SrcTensor, typename DstTensor, typename CoordTensor>
+__device__ __forceinline__ void copy_tile_bounded(TiledCopy const& tiled_copy, SrcTensor const& src,
+                                                  DstTensor&& dst, CoordTensor const& coord, int max_rows,
+                                                  int max_cols) {
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(src); ++m) {
+    bool row_ok = get<0>(coord(0, m, 0)) < max_rows;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(src); ++k) {
+      if (row_ok && get<1>(coord(0, m, k)) < max_cols) {
+        copy(tiled_copy, src(_, m, k), dst(_, m, k));
+      } else if constexpr (kZeroFill) {
+        clear(dst(_, m, k));
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit() { cute::cp_async_fence(); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  cute::cp_async_wait<N>();
+}
+
+}  // namespace cuteflash

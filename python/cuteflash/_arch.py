@@ -1,0 +1,275 @@
+"""Parsing of TORCH_CUDA_ARCH_LIST into cuteflash's kernel families.
+
+This file is the one source of truth for architecture selection: CMake runs it at configure time
+(``python _arch.py --cmake ...``) and the package imports it at run time to word its error messages.
+It needs nothing but the standard library, so it runs inside an isolated build environment.
+
+Grammar (PyTorch's, ``torch.utils.cpp_extension``): entries separated by ``;`` or spaces; each entry is
+``X.Y``, ``X.Y+PTX``, ``X.Ya`` / ``X.Yf`` (arch-specific / family-specific targets), or one of PyTorch's
+names (Volta, Turing, Ampere, Ada, Hopper, ...), which expand as PyTorch expands them. Empty entries are
+ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+# As PyTorch expands them (torch.utils.cpp_extension.named_arches).
+NAMED_ARCHES = {
+    "Kepler+Tesla": "3.7",
+    "Kepler": "3.5+PTX",
+    "Maxwell+Tegra": "5.3",
+    "Maxwell": "5.0;5.2+PTX",
+    "Pascal": "6.0;6.1+PTX",
+    "Volta+Tegra": "7.2",
+    "Volta": "7.0+PTX",
+    "Turing": "7.5+PTX",
+    "Ampere+Tegra": "8.7",
+    "Ampere": "8.0;8.6+PTX",
+    "Ada": "8.9+PTX",
+    "Hopper": "9.0+PTX",
+}
+
+FAMILIES = ("sm70", "sm80")
+
+# Compute capabilities nvcc knows, with the first CUDA release that builds them and the last one
+# (None: still supported). CUDA 13.0 dropped sm_70/sm_72 and renamed sm_101 to sm_110.
+KNOWN_ARCHES = {
+    70: ((9, 0), (12, 9)),
+    72: ((10, 0), (12, 9)),
+    75: ((10, 0), None),
+    80: ((11, 0), None),
+    86: ((11, 1), None),
+    87: ((11, 4), None),
+    88: ((13, 0), None),
+    89: ((11, 8), None),
+    90: ((11, 8), None),
+    100: ((12, 8), None),
+    101: ((12, 8), (12, 9)),
+    103: ((12, 9), None),
+    110: ((13, 0), None),
+    120: ((12, 8), None),
+    121: ((12, 9), None),
+}
+
+MIN_CUDA = (11, 8)
+
+# Used when TORCH_CUDA_ARCH_LIST is unset and no GPU is visible at build time: every family the
+# toolkit can build, with PTX of the newest entry so future GPUs JIT-compile it.
+DEFAULT_ARCH_LIST = {
+    "cuda12": "7.0;7.5;8.0;8.6;8.9;9.0+PTX",
+    "cuda13": "7.5;8.0;8.6;8.9;9.0;10.0;12.0+PTX",
+}
+
+
+class ArchError(ValueError):
+    """An arch list entry that cuteflash cannot build, with a message a user can act on."""
+
+
+@dataclass(frozen=True)
+class Target:
+    cc: int  # 75 for compute capability 7.5
+    suffix: str = ""  # "", "a" or "f"
+    ptx: bool = False
+
+    @property
+    def family(self) -> str:
+        return family_of(self.cc)
+
+    def cmake(self) -> list[str]:
+        """CMake CUDA_ARCHITECTURES items: machine code, plus PTX where asked."""
+        items = [f"{self.cc}{self.suffix}-real"]
+        if self.ptx:
+            items.append(f"{self.cc}{self.suffix}-virtual")
+        return items
+
+    def __str__(self) -> str:
+        text = f"{self.cc // 10}.{self.cc % 10}{self.suffix}"
+        return text + "+PTX" if self.ptx else text
+
+
+@dataclass
+class Selection:
+    targets: dict[str, list[Target]] = field(default_factory=lambda: {f: [] for f in FAMILIES})
+
+    def add(self, target: Target, family: str | None = None) -> None:
+        family = family or target.family
+        bucket = self.targets[family]
+        for i, old in enumerate(bucket):
+            if old.cc == target.cc and old.suffix == target.suffix:
+                bucket[i] = Target(old.cc, old.suffix, old.ptx or target.ptx)
+                return
+        bucket.append(target)
+        bucket.sort(key=lambda t: (t.cc, t.suffix))
+
+
+def family_of(cc: int) -> str:
+    if 70 <= cc < 80:
+        return "sm70"
+    if cc >= 80:
+        return "sm80"
+    raise ArchError(
+        f"compute capability {cc // 10}.{cc % 10} is not supported: cuteflash needs Volta (7.0) or newer"
+    )
+
+
+_ENTRY = re.compile(r"^(\d+)\.(\d)([af]?)(\+PTX)?$")
+
+
+def expand_names(arch_list: str) -> list[str]:
+    """Split on ';' and spaces, drop empty entries and expand PyTorch's arch names."""
+    entries: list[str] = []
+    for raw in arch_list.replace(" ", ";").split(";"):
+        if not raw:
+            continue
+        if raw in NAMED_ARCHES:
+            entries.extend(NAMED_ARCHES[raw].split(";"))
+        else:
+            entries.append(raw)
+    return entries
+
+
+def parse_entry(entry: str) -> Target:
+    m = _ENTRY.match(entry)
+    if not m:
+        names = ", ".join(NAMED_ARCHES)
+        raise ArchError(
+            f"TORCH_CUDA_ARCH_LIST entry {entry!r} is not understood: use X.Y, X.Y+PTX, X.Ya "
+            f"(e.g. '8.0;9.0a;9.0+PTX') or one of {names}"
+        )
+    cc = int(m.group(1)) * 10 + int(m.group(2))
+    if cc not in KNOWN_ARCHES:
+        if cc < 70:
+            family_of(cc)  # raises the 'needs Volta or newer' message
+        raise ArchError(
+            f"TORCH_CUDA_ARCH_LIST entry {entry!r}: compute capability {m.group(1)}.{m.group(2)} is "
+            f"unknown; known ones are " + ", ".join(f"{c // 10}.{c % 10}" for c in KNOWN_ARCHES)
+        )
+    family_of(cc)
+    return Target(cc, m.group(3), bool(m.group(4)))
+
+
+def check_toolkit(target: Target, cuda: tuple[int, int] | None) -> None:
+    if cuda is None:
+        return
+    first, last = KNOWN_ARCHES[target.cc]
+    v = f"{cuda[0]}.{cuda[1]}"
+    if last is not None and cuda > last:
+        if target.cc in (70, 72):
+            raise ArchError(
+                f"Volta ({target}) needs CUDA 11.8–12.9; the CUDA toolkit found is {v}, which dropped "
+                "Volta. Install CUDA 12.9 or older and point CUDACXX at its nvcc, or remove 7.0/7.2 "
+                "from TORCH_CUDA_ARCH_LIST."
+            )
+        raise ArchError(
+            f"compute capability {target} needs CUDA {last[0]}.{last[1]} or older; found CUDA {v}"
+        )
+    if cuda < first:
+        raise ArchError(
+            f"compute capability {target} needs CUDA {first[0]}.{first[1]} or newer; found CUDA {v}. "
+            "Install a newer CUDA toolkit or drop that entry from TORCH_CUDA_ARCH_LIST."
+        )
+    if target.suffix == "f" and cuda < (12, 9):
+        raise ArchError(f"family-specific target {target} needs CUDA 12.9 or newer; found CUDA {v}")
+
+
+def default_arch_list(cuda: tuple[int, int] | None) -> str:
+    return DEFAULT_ARCH_LIST["cuda13" if cuda is not None and cuda >= (13, 0) else "cuda12"]
+
+
+def parse(
+    arch_list: str,
+    cuda: tuple[int, int] | None = None,
+    extra: dict[str, str] | None = None,
+) -> Selection:
+    """Map an arch list to per-family targets; `extra` adds developer targets to a family."""
+    if cuda is not None and cuda < MIN_CUDA:
+        raise ArchError(f"cuteflash needs CUDA 11.8 or newer; found CUDA {cuda[0]}.{cuda[1]}")
+    sel = Selection()
+    entries = expand_names(arch_list)
+    if not entries:
+        raise ArchError("TORCH_CUDA_ARCH_LIST has no entries; unset it to build for the visible GPUs")
+    for entry in entries:
+        target = parse_entry(entry)
+        check_toolkit(target, cuda)
+        sel.add(target)
+    for family, extra_list in (extra or {}).items():
+        if family not in FAMILIES:
+            raise ArchError(f"unknown kernel family {family!r}; families are {', '.join(FAMILIES)}")
+        for entry in expand_names(extra_list):
+            target = parse_entry(entry)
+            check_toolkit(target, cuda)
+            sel.add(target, family)
+    return sel
+
+
+def visible_gpu_arch_list() -> str:
+    """Compute capabilities of the GPUs visible now, as an arch list ('' if none or no driver)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    caps = sorted({line.strip() for line in out.splitlines() if _ENTRY.match(line.strip())})
+    return ";".join(caps)
+
+
+def _parse_version(text: str) -> tuple[int, int] | None:
+    if not text:
+        return None
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _cmake_main(args: argparse.Namespace) -> int:
+    cuda = _parse_version(args.cuda_version)
+    source = "TORCH_CUDA_ARCH_LIST"
+    arch_list = args.arch_list
+    if not arch_list.strip():
+        arch_list, source = visible_gpu_arch_list(), "visible GPUs"
+        if not arch_list:
+            arch_list, source = default_arch_list(cuda), "default (no GPU visible)"
+    extra = {f: v for f, v in (("sm70", args.sm70_extra), ("sm80", args.sm80_extra)) if v}
+    try:
+        sel = parse(arch_list, cuda, extra)
+    except ArchError as e:
+        print(f"set(CUTEFLASH_ARCH_ERROR [=[{e}]=])")
+        return 0
+    print(f"set(CUTEFLASH_ARCH_SOURCE [=[{source}: {arch_list}]=])")
+    for family in FAMILIES:
+        targets = sel.targets[family]
+        items = [item for t in targets for item in t.cmake()]
+        print(f"set(CUTEFLASH_{family.upper()}_ARCHS \"{';'.join(items)}\")")
+        print(f"set(CUTEFLASH_{family.upper()}_TARGETS \"{' '.join(str(t) for t in targets)}\")")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("arch_list", nargs="?", default="", help="TORCH_CUDA_ARCH_LIST value")
+    p.add_argument("--cuda-version", default="", help="toolkit version, e.g. 12.9")
+    p.add_argument("--sm70-extra", default="", help="extra targets for the sm70 family (developers)")
+    p.add_argument("--sm80-extra", default="", help="extra targets for the sm80 family (developers)")
+    p.add_argument("--cmake", action="store_true", help="print CMake set() commands")
+    args = p.parse_args(argv)
+    if args.cmake:
+        return _cmake_main(args)
+    try:
+        sel = parse(args.arch_list or default_arch_list(_parse_version(args.cuda_version)),
+                    _parse_version(args.cuda_version))
+    except ArchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for family in FAMILIES:
+        print(f"{family}: {' '.join(str(t) for t in sel.targets[family]) or '-'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

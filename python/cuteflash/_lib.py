@@ -1,0 +1,99 @@
+"""The compiled module, what it was built with, and the choice of kernel family for a device."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import torch  # noqa: F401  (before _C: torch's import crashed when our pybind11 module was loaded first)
+
+from . import _arch
+
+try:
+    from . import _C
+except ImportError as e:  # a source checkout, or a build for another Python
+    _C = None
+    _C_ERROR = e
+
+BACKEND_ENV = "CUTEFLASH_BACKEND"
+_KERNEL_NAME = re.compile(r"run_(?P<direction>\w+?)_(?P<family>sm\d+)_(?P<dtype>\w+?)_hd(?P<head_dim>\d+)$")
+_DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+def compiled_module():
+    if _C is None:
+        raise RuntimeError(
+            f"cuteflash's compiled module could not be loaded ({_C_ERROR}). Install the package with "
+            "'pip install .' from the source folder (a CUDA toolkit is needed to build it)."
+        )
+    return _C
+
+
+@functools.lru_cache(maxsize=None)
+def build_info() -> dict:
+    """What this build of cuteflash holds.
+
+    Returns a dict with ``families`` ({family: {"targets": [...], "dtypes": [...], "head_dims": [...],
+    "directions": [...]}}), ``cuda_version`` (the toolkit that built it) and ``kernels`` (launcher
+    names).
+    """
+    raw = compiled_module().build_info()
+    families = {}
+    for family, targets in raw["families"].items():
+        families[family] = {"targets": targets.split(), "dtypes": set(), "head_dims": set(), "directions": set()}
+    for name in raw["kernels"]:
+        m = _KERNEL_NAME.match(name)
+        entry = families[m["family"]]
+        entry["dtypes"].add(_DTYPE_NAMES[m["dtype"]])
+        entry["head_dims"].add(int(m["head_dim"]))
+        entry["directions"].add(m["direction"])
+    for entry in families.values():
+        for key in ("dtypes", "head_dims", "directions"):
+            entry[key] = sorted(entry[key])
+    return {"families": families, "cuda_version": raw["cuda_version"], "kernels": list(raw["kernels"])}
+
+
+def _cc_text(cc: tuple[int, int]) -> str:
+    return f"{cc[0]}.{cc[1]}"
+
+
+def _rebuild_hint(cc: tuple[int, int]) -> str:
+    return f"rebuild with TORCH_CUDA_ARCH_LIST='{_cc_text(cc)}' pip install --no-build-isolation ."
+
+
+@functools.lru_cache(maxsize=None)
+def _family_runs(family: str, device_index: int) -> bool:
+    with torch.cuda.device(device_index):
+        return compiled_module().family_runs(family)
+
+
+def select_family(device) -> str:
+    """The kernel family for a CUDA device: sm80 for compute capability 8.0+, sm70 for 7.x, or the
+    one that ``CUTEFLASH_BACKEND`` (auto, sm70, sm80) forces. Raises if it cannot run there."""
+    cc = torch.cuda.get_device_capability(device)
+    name = torch.cuda.get_device_name(device)
+    forced = os.environ.get(BACKEND_ENV, "auto") or "auto"
+    if forced not in ("auto",) + _arch.FAMILIES:
+        raise ValueError(f"{BACKEND_ENV}={forced!r} is not one of auto, {', '.join(_arch.FAMILIES)}")
+    if cc < (7, 0):
+        raise RuntimeError(f"{name} has compute capability {_cc_text(cc)}; cuteflash needs 7.0 (Volta) or newer")
+    family = ("sm80" if cc >= (8, 0) else "sm70") if forced == "auto" else forced
+    if family == "sm80" and cc < (8, 0):
+        raise RuntimeError(f"the sm80 kernels need compute capability 8.0 or newer; {name} has {_cc_text(cc)}")
+
+    families = build_info()["families"]
+    if family not in families:
+        compiled = ", ".join(families) or "none"
+        raise RuntimeError(
+            f"this cuteflash build has no {family} kernels (compiled families: {compiled}), which {name} "
+            f"(compute capability {_cc_text(cc)}) needs; {_rebuild_hint(cc)}"
+        )
+    index = torch.device(device).index
+    if not _family_runs(family, torch.cuda.current_device() if index is None else index):
+        targets = " ".join(families[family]["targets"])
+        raise RuntimeError(
+            f"cuteflash's {family} kernels were compiled for {targets}, which cannot run on {name} "
+            f"(compute capability {_cc_text(cc)}); {_rebuild_hint(cc)}"
+        )
+    return family

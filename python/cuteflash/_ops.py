@@ -1,0 +1,65 @@
+"""The kernels as torch.library custom ops, so they work under torch.compile and CUDA graphs.
+
+The ops take tensors whose head dim is a multiple of 8 (interface.py pads the others); everything
+else about the layout is handled here, so calling the op directly is safe too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._lib import compiled_module, select_family
+
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
+
+
+def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
+    """t itself when the kernels can read it in place (last dim contiguous, 16-byte aligned rows),
+    else a contiguous copy. Slices of a packed qkv tensor pass unchanged."""
+    aligned = t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+    return t if t.stride(-1) == 1 and aligned else t.contiguous()
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)  # (batch, row, head) of a (b, s, h, d) tensor
+
+
+@torch.library.custom_op("cuteflash::fwd", mutates_args=(), device_types="cuda")
+def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """Attention forward: returns out (b, s_q, h, d) and the fp32 log-sum-exp (b, h, s_q)."""
+    family = select_family(q.device)
+    if family == "sm70" and q.dtype == torch.bfloat16:
+        raise TypeError("bfloat16 needs an sm80 GPU (compute capability 8.0+); use float16 on this GPU")
+    q, k, v = (_kernel_operand(t) for t in (q, k, v))
+    batch, seqlen_q, nheads, head_dim = q.shape
+    _, seqlen_k, nheads_k, _ = k.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device):
+        compiled_module().fwd(
+            family, _DTYPE_CODES[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+            lse.data_ptr(), _strides(q), _strides(k), _strides(v), _strides(out), batch, nheads, nheads_k,
+            seqlen_q, seqlen_k, head_dim, softmax_scale, causal, torch.cuda.current_stream(q.device).cuda_stream,
+        )
+    return out, lse
+
+
+@fwd.register_fake
+def _(q, k, v, softmax_scale, causal):
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    pass
+
+
+def _backward(ctx, grad_out, grad_lse):
+    raise NotImplementedError(
+        "cuteflash: the backward pass is not implemented yet (forward only); detach the inputs or use "
+        "torch.nn.functional.scaled_dot_product_attention for training"
+    )
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,234 @@
+"""python -m cuteflash.bench: does cuteflash work on this GPU, is it correct, and how fast is it
+next to PyTorch's attention backends?
+
+Each case is checked against a float64 reference (error at most 2x PyTorch's own in the input dtype)
+and timed beside PyTorch's SDPA backends (flash, cuDNN, memory-efficient) and plain PyTorch attention,
+in the same run. TFLOP/s follow FlashAttention's convention: 4 * batch * heads * seqlen_q * seqlen_k *
+headdim for the forward pass, halved when causal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+
+# The shapes of shared/baselines-h200.md: (batch, heads, seqlen, headdim).
+BASELINE_SHAPES = [(16, 16, 1024, 64), (8, 16, 2048, 64), (4, 16, 4096, 128), (2, 16, 8192, 128), (1, 32, 4096, 256)]
+QUICK_SHAPES = [(4, 16, 1024, 64), (2, 16, 2048, 128)]
+SDPA_BACKENDS = ("flash", "cudnn", "efficient")
+
+
+@dataclass
+class Case:
+    batch: int
+    heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool
+    dtype: str
+
+    def flops_fwd(self) -> float:
+        f = 4.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
+        return f / 2 if self.causal else f
+
+
+@dataclass
+class Result:
+    case: Case
+    correct: bool | None = None
+    max_err: float | None = None
+    pytorch_err: float | None = None
+    ms: dict = field(default_factory=dict)  # implementation -> forward milliseconds (None: unavailable)
+    tflops: dict = field(default_factory=dict)
+    note: str = ""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cuteflash.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=["fp16", "bf16"], action="append",
+                   help="repeatable; default fp16 (and bf16 where the GPU has it)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                   help="only causal (--causal) or only full (--no-causal) attention; default both")
+    p.add_argument("--headdim", type=int, action="append", help="repeatable; default: the suite's")
+    p.add_argument("--seqlen", type=int, action="append", help="repeatable; default: the suite's")
+    p.add_argument("--batch", type=int, help="default: the suite's")
+    p.add_argument("--heads", type=int, help="default: the suite's")
+    p.add_argument("--forward-only", action="store_true", help="time the forward pass only (backward: not yet)")
+    p.add_argument("--backend", choices=["auto", "sm70", "sm80"], default="auto", help="cuteflash kernel family")
+    p.add_argument("--repeats", type=int, default=30, help="timed runs per measurement (median reported)")
+    p.add_argument("--quick", action="store_true", help="two small shapes, fp16, for a smoke test")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--csv", metavar="PATH", help="write the results as CSV")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    return p.parse_args(argv)
+
+
+def build_cases(args, bf16_ok: bool) -> list[Case]:
+    dtypes = args.dtype or (["fp16"] if args.quick or not bf16_ok else ["fp16", "bf16"])
+    causals = [args.causal] if args.causal is not None else [False, True]
+    shapes = QUICK_SHAPES if args.quick else BASELINE_SHAPES
+    if args.headdim or args.seqlen or args.batch or args.heads:
+        head_dims = args.headdim or sorted({s[3] for s in shapes})
+        seqlens = args.seqlen or sorted({s[2] for s in shapes})
+        shapes = []
+        for s in seqlens:
+            for d in head_dims:
+                batch = args.batch or max(1, 16384 // s)
+                shapes.append((batch, args.heads or (32 if d >= 256 else 16), s, d))
+    return [Case(b, h, s, s, d, c, dt) for dt in dtypes for (b, h, s, d) in shapes for c in causals]
+
+
+def _time_ms(fn, repeats: int) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run_case(case: Case, args) -> Result:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from . import flash_attn_func
+    from .reference import attention_ref
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
+    res = Result(case)
+    shape_q = (case.batch, case.seqlen_q, case.heads, case.head_dim)
+    shape_k = (case.batch, case.seqlen_k, case.heads, case.head_dim)
+    q = torch.randn(shape_q, device="cuda", dtype=dtype)
+    k = torch.randn(shape_k, device="cuda", dtype=dtype)
+    v = torch.randn(shape_k, device="cuda", dtype=dtype)
+
+    if not args.no_check:
+        # A slice of the heads keeps the float64 reference small.
+        hs = slice(0, min(2, case.heads))
+        qs, ks, vs = q[:1, :, hs], k[:1, :, hs], v[:1, :, hs]
+        try:
+            ref, _ = attention_ref(qs, ks, vs, causal=case.causal)
+            pt, _ = attention_ref(qs, ks, vs, causal=case.causal, compute_dtype=dtype)
+            out = flash_attn_func(qs, ks, vs, causal=case.causal)
+            res.max_err = (out.double() - ref).abs().max().item()
+            res.pytorch_err = (pt.double() - ref).abs().max().item()
+            res.correct = bool(res.max_err <= 2 * res.pytorch_err + 1e-5)
+            del ref, pt, out
+        except torch.cuda.OutOfMemoryError:
+            res.note = "reference out of memory: not checked"
+        torch.cuda.empty_cache()
+
+    impls = {"cuteflash": lambda: flash_attn_func(q, k, v, causal=case.causal)}
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    for name in SDPA_BACKENDS:
+        def sdpa(backend=backends[name]):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=case.causal)
+        impls[name] = sdpa
+    for name, fn in impls.items():
+        try:
+            res.ms[name] = _time_ms(fn, args.repeats)
+            res.tflops[name] = case.flops_fwd() / (res.ms[name] * 1e-3) / 1e12
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            res.ms[name] = res.tflops[name] = None
+            if name == "cuteflash":
+                raise
+            del e
+        torch.cuda.empty_cache()
+    return res
+
+
+def format_table(results: list[Result]) -> str:
+    impls = ["cuteflash", *SDPA_BACKENDS]
+    header = f"{'dtype':5} {'B':>3} {'H':>3} {'S':>6} {'D':>4} {'causal':6} " + " ".join(f"{n:>10}" for n in impls)
+    header += f" {'vs flash':>8} {'check':>6}"
+    lines = ["forward TFLOP/s", header, "-" * len(header)]
+    for r in results:
+        c = r.case
+        cells = " ".join(f"{r.tflops[n]:10.1f}" if r.tflops.get(n) else f"{'-':>10}" for n in impls)
+        ratio = r.tflops["cuteflash"] / r.tflops["flash"] if r.tflops.get("flash") else float("nan")
+        check = {True: "ok", False: "FAIL", None: "-"}[r.correct]
+        lines.append(f"{c.dtype:5} {c.batch:3} {c.heads:3} {c.seqlen_q:6} {c.head_dim:4} {str(c.causal):6} "
+                     f"{cells} {ratio:8.2f} {check:>6}")
+    return "\n".join(lines)
+
+
+def write_outputs(results: list[Result], args, device: dict) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "results": [asdict(r) for r in results]}, f, indent=1)
+    if args.csv:
+        import csv
+
+        with open(args.csv, "w", newline="") as f:
+            w = csv.writer(f)
+            impls = ["cuteflash", *SDPA_BACKENDS]
+            w.writerow(["dtype", "batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "causal", "correct", "max_err",
+                        "pytorch_err"] + [f"{n}_fwd_tflops" for n in impls])
+            for r in results:
+                c = r.case
+                w.writerow([c.dtype, c.batch, c.heads, c.seqlen_q, c.seqlen_k, c.head_dim, c.causal, r.correct,
+                            r.max_err, r.pytorch_err] + [r.tflops.get(n) for n in impls])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("cuteflash.bench: torch is not installed", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("cuteflash.bench: no CUDA GPU is visible; the benchmark needs one", file=sys.stderr)
+        return 2
+    import os
+
+    if args.backend != "auto":
+        os.environ["CUTEFLASH_BACKEND"] = args.backend
+    from ._lib import select_family
+
+    try:
+        family = select_family(torch.device("cuda"))
+    except (RuntimeError, ValueError) as e:
+        print(f"cuteflash.bench: {e}", file=sys.stderr)
+        return 2
+    cc = torch.cuda.get_device_capability()
+    device = {"name": torch.cuda.get_device_name(), "capability": f"{cc[0]}.{cc[1]}", "family": family,
+              "torch": torch.__version__}
+    print(f"{device['name']} (compute capability {device['capability']}), cuteflash {family} kernels, "
+          f"torch {torch.__version__}", flush=True)
+    cases = build_cases(args, bf16_ok=family == "sm80")
+    results = []
+    for i, case in enumerate(cases):
+        print(f"[{i + 1}/{len(cases)}] {case.dtype} B={case.batch} H={case.heads} S={case.seqlen_q} "
+              f"D={case.head_dim} causal={case.causal}", file=sys.stderr, flush=True)
+        results.append(run_case(case, args))
+    print(format_table(results))
+    write_outputs(results, args, device)
+    failed = [r for r in results if r.correct is False]
+    ratios = [r.tflops["cuteflash"] / r.tflops["flash"] for r in results if r.tflops.get("flash")]
+    geo = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
+    verdict = "CORRECT" if not failed else f"{len(failed)} INCORRECT"
+    print(f"verdict: {verdict}; forward speed vs PyTorch's flash backend: {geo:.2f}x (geometric mean)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

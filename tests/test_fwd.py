@@ -1,0 +1,146 @@
+"""Forward pass against a float64 reference: error at most 2x PyTorch's own in the input dtype."""
+
+import pytest
+import torch
+
+from cuteflash import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from helpers import assert_close_2x, poison_cache, references
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = [32, 40, 59, 64, 72, 96, 128, 160, 192, 224, 256]
+SEQLENS = [(1, 1), (17, 17), (113, 203), (203, 113), (1, 1025), (1025, 1), (1000, 1000), (1025, 1025), (4096, 4096)]
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(torch.randint(0, 2**31, ()).item())
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype, generator=g) * scale
+    k = torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=dtype, generator=g) * scale
+    v = torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+def run_and_check(q, k, v, causal, fn=flash_attn_func, args=None, softmax_scale=None):
+    (out_ref, lse_ref), (out_pt, lse_pt) = references(q, k, v, causal, softmax_scale)
+    poison_cache(out_ref, lse_ref)
+    out, lse, none = fn(*(args or (q, k, v)), causal=causal, softmax_scale=softmax_scale, return_attn_probs=True)
+    torch.cuda.synchronize()
+    assert none is None
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert_close_2x("out", out, out_ref, out_pt)
+    assert_close_2x("lse", lse, lse_ref, lse_pt)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
+def test_forward(seqlen_q, seqlen_k, head_dim, causal, dtype):
+    batch, nheads = (1, 2) if seqlen_q * seqlen_k > 2**20 else (2, 3)
+    run_and_check(*make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads, head_dim, dtype), causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nheads,nheads_k", [(6, 2), (6, 1), (8, 8)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(128, 128), (77, 300), (300, 77)])
+def test_gqa_mqa(seqlen_q, seqlen_k, nheads, nheads_k, causal, dtype):
+    run_and_check(*make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, 64, dtype), causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_large_logits_stay_finite(head_dim, dtype):
+    # Scores of magnitude ~100 * sqrt(d): exp() overflows unless the running max is subtracted.
+    run_and_check(*make_qkv(2, 513, 517, 4, 4, head_dim, dtype, scale=10.0), causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softmax_scale(causal):
+    run_and_check(*make_qkv(2, 200, 300, 4, 4, 64, torch.float16), causal, softmax_scale=0.05)
+
+
+@pytest.mark.parametrize("head_dim", [64, 72])
+def test_qkvpacked_reads_in_place(head_dim):
+    qkv = torch.randn(2, 333, 3, 4, head_dim, device="cuda", dtype=torch.float16)
+    q, k, v = qkv.unbind(2)
+    run_and_check(q, k, v, True, fn=flash_attn_qkvpacked_func, args=(qkv,))
+
+
+def test_kvpacked():
+    q = torch.randn(2, 100, 6, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(2, 150, 2, 3, 128, device="cuda", dtype=torch.bfloat16)
+    run_and_check(q, kv[:, :, 0], kv[:, :, 1], False, fn=flash_attn_kvpacked_func, args=(q, kv))
+
+
+def test_strided_inputs():
+    # (b, h, s, d) storage viewed as (b, s, h, d): last dim contiguous, other strides permuted.
+    q, k, v = (torch.randn(2, 4, 257, 64, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in range(3))
+    run_and_check(q, k, v, True)
+    # A last dim that is not contiguous is copied first.
+    q2 = torch.randn(2, 64, 257, 4, device="cuda", dtype=torch.float16).permute(0, 2, 3, 1)
+    run_and_check(q2, k, v, False)
+
+
+def test_packed_slices_are_not_copied():
+    from cuteflash import _ops
+
+    qkv = torch.randn(1, 64, 3, 2, 64, device="cuda", dtype=torch.float16)
+    for t in qkv.unbind(2):
+        assert _ops._kernel_operand(t) is t
+
+
+def test_causal_row_without_keys_is_zero():
+    q, k, v = make_qkv(1, 40, 8, 2, 2, 64, torch.float16)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.equal(out[:, :32], torch.zeros_like(out[:, :32]))  # rows 0..31 see no key
+    assert torch.isposinf(lse[:, :, :32]).all()
+    assert torch.isfinite(out[:, 32:]).all() and out[:, 32:].abs().sum() > 0
+
+
+def test_runs_on_current_stream():
+    q, k, v = make_qkv(2, 1024, 1024, 8, 8, 128, torch.float16)
+    expected = flash_attn_func(q, k, v)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = flash_attn_func(q, k, v)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_cuda_graph_capture():
+    q, k, v = make_qkv(2, 256, 256, 4, 4, 64, torch.float16)
+    expected = flash_attn_func(q, k, v, causal=True)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        flash_attn_func(q, k, v, causal=True)  # warm-up outside the capture
+        with torch.cuda.graph(graph, stream=s):
+            out = flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=True))
+    assert not torch.equal(out, expected)
+
+
+def test_torch_compile_fullgraph():
+    q, k, v = make_qkv(2, 200, 200, 4, 4, 72, torch.bfloat16)
+
+    @torch.compile(fullgraph=True)
+    def f(q, k, v):
+        return flash_attn_func(q, k, v, causal=True) * 2
+
+    torch.testing.assert_close(f(q, k, v), flash_attn_func(q, k, v, causal=True) * 2, rtol=0, atol=0)
+
+
+def test_deterministic_across_runs():
+    q, k, v = make_qkv(2, 777, 777, 4, 4, 128, torch.float16)
+    assert torch.equal(flash_attn_func(q, k, v), flash_attn_func(q, k, v))
