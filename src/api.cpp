@@ -59,20 +59,21 @@ void fwd(std::string const& family_name, int dtype_code, uintptr_t q, uintptr_t 
   require(softmax_scale > 0.f, "softmax_scale must be positive");
   if (batch == 0 || seqlen_q == 0) return;
 
+  check_operand("q", q, q_strides);
+  check_operand("k", k, k_strides);
+  check_operand("v", v, v_strides);
+  check_operand("out", out, out_strides);
+  require(lse != 0 && lse % 4 == 0, "softmax_lse must be an aligned float32 buffer");
+
   FwdFn launch = find_fwd(family, DType(dtype_code), kernel_head_dim);
   require(launch != nullptr, "no " + family_name + " forward kernel for head dim " + std::to_string(kernel_head_dim) +
                                  " and this dtype was compiled in; rebuild with CUTEFLASH_HEADDIMS / CUTEFLASH_DTYPES "
                                  "including it");
   if (!family_runs(family)) {
     throw std::runtime_error("cuteflash: the " + family_name +
-                             " kernels were not compiled for this GPU; rebuild with TORCH_CUDA_ARCH_LIST naming "
-                             "its compute capability");
+                             " kernels were not compiled for this GPU (or no CUDA GPU is usable); rebuild with "
+                             "TORCH_CUDA_ARCH_LIST naming its compute capability");
   }
-  check_operand("q", q, q_strides);
-  check_operand("k", k, k_strides);
-  check_operand("v", v, v_strides);
-  check_operand("out", out, out_strides);
-  require(lse != 0 && lse % 4 == 0, "softmax_lse must be an aligned float32 buffer");
 
   FwdParams p{};
   p.q = reinterpret_cast<void const*>(q);

@@ -144,3 +144,11 @@ def test_torch_compile_fullgraph():
 def test_deterministic_across_runs():
     q, k, v = make_qkv(2, 777, 777, 4, 4, 128, torch.float16)
     assert torch.equal(flash_attn_func(q, k, v), flash_attn_func(q, k, v))
+
+
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k", [(0, 16, 16), (2, 0, 16), (2, 16, 0)])
+def test_empty_sizes(batch, seqlen_q, seqlen_k):
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, 2, 2, 64, torch.float16)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (batch, 2, seqlen_q)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()

@@ -36,6 +36,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
     _, seqlen_k, nheads_k, _ = k.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    if seqlen_k == 0:  # no key at all: every row is empty (and k, v have no memory to point at)
+        return out.zero_(), lse.fill_(float("inf"))
     with torch.cuda.device(q.device):
         compiled_module().fwd(
             family, _DTYPE_CODES[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),

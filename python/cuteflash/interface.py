@@ -32,16 +32,12 @@ def _check_qkv(q, k, v) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cuda":
-            raise ValueError(f"{name} is on {t.device}; cuteflash runs on CUDA GPUs: move it with {name}.cuda()")
         if t.dtype not in _DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; cuteflash supports torch.float16 and torch.bfloat16: "
                             f"convert with {name}.half() or {name}.bfloat16()")
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape "
                              f"{tuple(t.shape)}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
@@ -57,16 +53,22 @@ def _check_qkv(q, k, v) -> None:
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(f"q has {nheads} heads, k and v have {nheads_k}: the number of query heads must be a "
                          "multiple of the number of key/value heads (MQA/GQA)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} is on {t.device}; cuteflash runs on CUDA GPUs: move it with {name}.cuda()")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
     _check_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    if softmax_scale is not None and not (
+            isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     _check_qkv(q, k, v)
     head_dim = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
-    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     # The kernels read 8 elements at a time: pad the head dim with zeros, which add nothing to QK^T
     # and produce zero columns of O that are cut off again.
     pad = -head_dim % 8

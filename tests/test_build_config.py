@@ -1,0 +1,53 @@
+"""CMake's configure step fails with a message a user can act on (needs cmake and nvcc, no GPU)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NVCC = os.environ.get("CUDACXX") or shutil.which("nvcc")
+# The cmake of this Python's environment (the pip package) comes first: the system one may be too old.
+CMAKE = shutil.which("cmake", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+
+pytestmark = pytest.mark.skipif(not (CMAKE and NVCC and (ROOT / "CMakeLists.txt").exists()),
+                                reason="needs cmake, nvcc and the source tree")
+
+
+def nvcc_version():
+    out = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
+    release = out.split("release ")[1].split(",")[0]
+    return tuple(int(x) for x in release.split("."))
+
+
+def configure(tmp_path, *defines):
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CUDA_ARCH_LIST", "CUTLASS_INCLUDE_DIR")}
+    r = subprocess.run([CMAKE, "-S", ROOT, "-B", tmp_path, f"-DCMAKE_CUDA_COMPILER={NVCC}",
+                        f"-DPython_EXECUTABLE={sys.executable}", *defines],
+                       capture_output=True, text=True, env=env)
+    return r.returncode, " ".join((r.stdout + r.stderr).split())  # CMake wraps long messages
+
+
+def test_unknown_entry(tmp_path):
+    rc, log = configure(tmp_path, "-DTORCH_CUDA_ARCH_LIST=8.0;sm_90")
+    assert rc != 0
+    assert "TORCH_CUDA_ARCH_LIST entry 'sm_90' is not understood" in log
+
+
+def test_pre_volta_entry(tmp_path):
+    rc, log = configure(tmp_path, "-DTORCH_CUDA_ARCH_LIST=6.1")
+    assert rc != 0 and "cuteflash needs Volta (7.0) or newer" in log
+
+
+@pytest.mark.skipif(nvcc_version() < (13, 0) if NVCC else True, reason="needs CUDA 13's nvcc")
+def test_volta_with_cuda_13(tmp_path):
+    rc, log = configure(tmp_path, "-DTORCH_CUDA_ARCH_LIST=7.0;8.0")
+    assert rc != 0 and "Volta (7.0) needs CUDA 11.8–12.9" in log
+
+
+def test_missing_cutlass(tmp_path):
+    rc, log = configure(tmp_path, "-DTORCH_CUDA_ARCH_LIST=8.0", f"-DCUTLASS_INCLUDE_DIR={tmp_path / 'nowhere'}")
+    assert rc != 0 and "pip install nvidia-cutlass" in log and "-DCUTLASS_INCLUDE_DIR" in log

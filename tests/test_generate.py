@@ -1,0 +1,61 @@
+"""The kernel generator (src/kernels/generate.py) and its agreement with the C++ tile table."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERATOR = ROOT / "src" / "kernels" / "generate.py"
+
+pytestmark = pytest.mark.skipif(not GENERATOR.exists(), reason="needs the source tree")
+
+
+def generate(tmp_path, *args):
+    return subprocess.run([sys.executable, GENERATOR, "--out", tmp_path, *args], capture_output=True, text=True)
+
+
+def test_one_file_per_instantiation(tmp_path):
+    r = generate(tmp_path, "--families", "sm70", "sm80", "--headdims", "64", "128", "--dtypes", "fp16", "bf16")
+    assert r.returncode == 0, r.stderr
+    files = r.stdout.strip().split(";")
+    assert sorted(files) == sorted(p.name for p in tmp_path.iterdir())
+    kernels = [f for f in files if f.startswith("fwd_")]
+    assert sorted(kernels) == ["fwd_sm80_bf16_hd128.cu", "fwd_sm80_bf16_hd64.cu", "fwd_sm80_fp16_hd128.cu",
+                               "fwd_sm80_fp16_hd64.cu"]
+    assert "probe_sm70.cu" in files and "probe_sm80.cu" in files
+    source = (tmp_path / "fwd_sm80_bf16_hd128.cu").read_text()
+    assert "sm80::run_fwd<cutlass::bfloat16_t, 128>" in source
+
+
+def test_dispatch_switches_have_defaults(tmp_path):
+    generate(tmp_path, "--families", "sm80", "--headdims", "64")
+    dispatch = (tmp_path / "dispatch.cpp").read_text()
+    assert "case 64: return &run_fwd_sm80_fp16_hd64;" in dispatch
+    assert dispatch.count("switch (") == dispatch.count("default:")
+
+
+@pytest.mark.parametrize("args", [["--headdims", "48"], ["--dtypes", "fp8"], ["--families", "sm60"]])
+def test_unknown_values_are_rejected(tmp_path, args):
+    r = generate(tmp_path, *args)
+    assert r.returncode == 2 and "unknown" in r.stderr
+
+
+def test_rerun_keeps_unchanged_files(tmp_path):
+    generate(tmp_path, "--headdims", "64")
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    generate(tmp_path, "--headdims", "64")
+    assert before == {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+
+
+def test_head_dims_match_tile_config():
+    sys.path.insert(0, str(GENERATOR.parent))
+    try:
+        import generate as gen
+    finally:
+        sys.path.pop(0)
+    header = (ROOT / "include" / "cuteflash" / "tile_config.h").read_text()
+    listed = re.search(r"kHeadDims\[\] = \{([^}]*)\}", header).group(1)
+    assert tuple(int(x) for x in listed.split(",")) == gen.HEAD_DIMS

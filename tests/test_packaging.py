@@ -1,0 +1,86 @@
+"""The installed package: the extension links neither libtorch nor a shared CUDA runtime, build_info
+describes it, and the package metadata asks for what the issue says."""
+
+import importlib.util
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def extension_path():
+    spec = importlib.util.find_spec("cuteflash._C")
+    if spec is None or spec.origin is None:
+        pytest.skip("cuteflash._C is not built (source checkout without 'pip install .')")
+    return spec.origin
+
+
+def elf_needed(path):
+    """DT_NEEDED entries of a 64-bit little-endian ELF shared object."""
+    data = Path(path).read_bytes()
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, "not a 64-bit little-endian ELF file"
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    needed = []
+    for _, sh_type, _, _, offset, size, link, _, _, _ in sections:
+        if sh_type != 6:  # SHT_DYNAMIC
+            continue
+        strtab_offset = sections[link][4]
+        for pos in range(offset, offset + size, 16):
+            tag, val = struct.unpack_from("<qQ", data, pos)
+            if tag == 0:
+                break
+            if tag == 1:  # DT_NEEDED
+                end = data.index(b"\0", strtab_offset + val)
+                needed.append(data[strtab_offset + val:end].decode())
+    return needed
+
+
+def test_extension_links_no_torch_and_no_shared_cudart():
+    needed = elf_needed(extension_path())
+    assert needed, "no DT_NEEDED entries found: the ELF reader is broken"
+    assert "libc.so.6" in needed
+    for lib in needed:
+        assert not lib.startswith(("libtorch", "libc10", "libcudart")), f"the extension depends on {lib}"
+
+
+def test_build_info_describes_the_build():
+    extension_path()
+    import cuteflash
+
+    info = cuteflash.build_info()
+    assert set(info) == {"families", "cuda_version", "kernels"}
+    assert info["families"], "no kernel family compiled in"
+    for family, entry in info["families"].items():
+        assert family in ("sm70", "sm80")
+        assert entry["targets"], f"{family} has no targets"
+        assert set(entry["dtypes"]) <= {"float16", "bfloat16"}
+        assert all(d in (32, 64, 96, 128, 160, 192, 224, 256) for d in entry["head_dims"])
+    assert int(info["cuda_version"].split(".")[0]) >= 11
+
+
+def test_fresh_interpreter_imports_and_reports():
+    # Loading the extension before torch once crashed torch's import; a fresh process checks the order.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-m", "cuteflash.info"], capture_output=True, text=True, env=env,
+                       cwd=ROOT.parent)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("cuteflash ")
+
+
+def test_pyproject_declares_build_and_runtime_requirements():
+    tomllib = pytest.importorskip("tomllib")
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    requires = " ".join(meta["build-system"]["requires"])
+    for name in ("scikit-build-core", "pybind11", "nvidia-cutlass", "cmake", "ninja"):
+        assert name in requires
+    assert meta["build-system"]["build-backend"] == "scikit_build_core.build"
+    assert "torch>=2.4" in meta["project"]["dependencies"]
+    assert "pytest" in " ".join(meta["project"]["optional-dependencies"]["test"])
+    assert meta["project"]["scripts"]["cuteflash-bench"] == "cuteflash.bench:main"
