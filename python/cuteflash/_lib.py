@@ -62,18 +62,31 @@ def _rebuild_hint(cc: tuple[int, int]) -> str:
     return f"rebuild with TORCH_CUDA_ARCH_LIST='{_cc_text(cc)}' pip install --no-build-isolation ."
 
 
-@functools.lru_cache(maxsize=None)
 def _family_runs(family: str, device_index: int) -> bool:
     with torch.cuda.device(device_index):
         return compiled_module().family_runs(family)
 
 
+_selected: dict = {}
+
+
 def select_family(device) -> str:
     """The kernel family for a CUDA device: sm80 for compute capability 8.0+, sm70 for 7.x, or the
-    one that ``CUTEFLASH_BACKEND`` (auto, sm70, sm80) forces. Raises if it cannot run there."""
-    cc = torch.cuda.get_device_capability(device)
-    name = torch.cuda.get_device_name(device)
-    forced = os.environ.get(BACKEND_ENV, "auto") or "auto"
+    one that ``CUTEFLASH_BACKEND`` (auto, sm70, sm80) forces. Raises if it cannot run there.
+    Called on every kernel launch, so the answer is cached per (device, CUTEFLASH_BACKEND)."""
+    index = torch.device(device).index if not isinstance(device, int) else device
+    if index is None:
+        index = torch.cuda.current_device()
+    key = (index, os.environ.get(BACKEND_ENV, "auto") or "auto")
+    family = _selected.get(key)
+    if family is None:
+        family = _selected[key] = _select_family(*key)
+    return family
+
+
+def _select_family(index: int, forced: str) -> str:
+    cc = torch.cuda.get_device_capability(index)
+    name = torch.cuda.get_device_name(index)
     if forced not in ("auto",) + _arch.FAMILIES:
         raise ValueError(f"{BACKEND_ENV}={forced!r} is not one of auto, {', '.join(_arch.FAMILIES)}")
     if cc < (7, 0):
@@ -89,8 +102,7 @@ def select_family(device) -> str:
             f"this cuteflash build has no {family} kernels (compiled families: {compiled}), which {name} "
             f"(compute capability {_cc_text(cc)}) needs; {_rebuild_hint(cc)}"
         )
-    index = torch.device(device).index
-    if not _family_runs(family, torch.cuda.current_device() if index is None else index):
+    if not _family_runs(family, index):
         targets = " ".join(families[family]["targets"])
         raise RuntimeError(
             f"cuteflash's {family} kernels were compiled for {targets}, which cannot run on {name} "

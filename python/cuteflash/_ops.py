@@ -24,9 +24,8 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)  # (batch, row, head) of a (b, s, h, d) tensor
 
 
-@torch.library.custom_op("cuteflash::fwd", mutates_args=(), device_types="cuda")
-def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool) -> tuple[
-        torch.Tensor, torch.Tensor]:
+def fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: returns out (b, s_q, h, d) and the fp32 log-sum-exp (b, h, s_q)."""
     family = select_family(q.device)
     if family == "sm70" and q.dtype == torch.bfloat16:
@@ -38,13 +37,31 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if seqlen_k == 0:  # no key at all: every row is empty (and k, v have no memory to point at)
         return out.zero_(), lse.fill_(float("inf"))
-    with torch.cuda.device(q.device):
-        compiled_module().fwd(
-            family, _DTYPE_CODES[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-            lse.data_ptr(), _strides(q), _strides(k), _strides(v), _strides(out), batch, nheads, nheads_k,
-            seqlen_q, seqlen_k, head_dim, softmax_scale, causal, torch.cuda.current_stream(q.device).cuda_stream,
-        )
+    args = (family, _DTYPE_CODES[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            _strides(q), _strides(k), _strides(v), _strides(out), batch, nheads, nheads_k, seqlen_q, seqlen_k,
+            head_dim, softmax_scale, causal, torch.cuda.current_stream(q.device).cuda_stream)
+    if q.device.index == torch.cuda.current_device():
+        compiled_module().fwd(*args)
+    else:  # the kernels launch on the current device: make it q's for the call
+        with torch.cuda.device(q.device):
+            compiled_module().fwd(*args)
     return out, lse
+
+
+@torch.library.custom_op("cuteflash::fwd", mutates_args=(), device_types="cuda")
+def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """The forward kernel as an operator that torch.compile and autograd see."""
+    return fwd_impl(q, k, v, softmax_scale, causal)
+
+
+def forward(q, k, v, softmax_scale: float, causal: bool):
+    """The op under torch.compile or when a gradient is wanted; otherwise the implementation directly,
+    which skips the dispatcher's cost per call."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                      or v.requires_grad)):
+        return fwd(q, k, v, softmax_scale, causal)
+    return fwd_impl(q, k, v, softmax_scale, causal)
 
 
 @fwd.register_fake

@@ -74,7 +74,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     pad = -head_dim % 8
     if pad:
         q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
-    out, lse = _ops.fwd(q, k, v, float(softmax_scale), bool(causal))
+    out, lse = _ops.forward(q, k, v, float(softmax_scale), bool(causal))
     if pad:
         out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
