@@ -61,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, help="default: the suite's")
     p.add_argument("--forward-only", action="store_true", help="time the forward pass only (backward: not yet)")
     p.add_argument("--backend", choices=["auto", "sm70", "sm80"], default="auto", help="cuteflash kernel family")
+    p.add_argument("--layout", choices=["native", "bshd", "bhsd"], default="native",
+                   help="memory of the inputs: native (cuteflash reads contiguous (b, s, h, d) as flash-attn, "
+                        "SDPA contiguous (b, h, s, d)), or the same memory for all: bshd or bhsd")
     p.add_argument("--repeats", type=int, default=30, help="timed runs per measurement (median reported)")
     p.add_argument("--quick", action="store_true", help="two small shapes, fp16, for a smoke test")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -149,11 +152,16 @@ def run_case(case: Case, args) -> Result:
             res.note = "reference out of memory: not checked"
         torch.cuda.empty_cache()
 
-    # Each implementation gets its natural layout: (b, s, h, d) for cuteflash (flash-attn's), contiguous
-    # (b, h, s, d) for PyTorch's SDPA.
+    # cuteflash takes (b, s, h, d) views and SDPA (b, h, s, d) views; `layout` says which memory is
+    # contiguous under them (native: each its own).
+    sets_t = [tuple(t.transpose(1, 2) for t in qkv) for qkv in sets]
+    if args.layout == "native":
+        sets_t = [tuple(t.contiguous() for t in qkv) for qkv in sets_t]
+    elif args.layout == "bhsd":
+        sets_t = [tuple(t.contiguous() for t in qkv) for qkv in sets_t]
+        sets = [tuple(t.transpose(1, 2) for t in qkv) for qkv in sets_t]
     impls = {"cuteflash": (contextlib.nullcontext(),
                            [lambda q=q, k=k, v=v: flash_attn_func(q, k, v, causal=case.causal) for q, k, v in sets])}
-    sets_t = [tuple(t.transpose(1, 2).contiguous() for t in qkv) for qkv in sets]
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
     for name in SDPA_BACKENDS:

