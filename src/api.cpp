@@ -44,38 +44,26 @@ void set_strides(Strides const& s, int64_t& batch, int64_t& row, int64_t& head) 
   head = s[2];
 }
 
-void fwd(std::string const& family_name, int dtype_code, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
-         uintptr_t lse, Strides q_strides, Strides k_strides, Strides v_strides, Strides out_strides, int batch,
-         int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale, bool causal,
-         uintptr_t stream) {
-  Family family = parse_family(family_name);
-  require(dtype_code == int(DType::kFloat16) || dtype_code == int(DType::kBFloat16), "unknown dtype code");
+// Checks the arguments shared by both directions (those the kernels would read out of bounds with) and
+// fills the forward's params. Returns false when there is nothing to compute.
+bool fill_fwd_params(FwdParams& p, DType dtype, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse,
+                     Strides const& q_strides, Strides const& k_strides, Strides const& v_strides,
+                     Strides const& out_strides, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
+                     int head_dim, float softmax_scale, bool causal) {
+  require(dtype == DType::kFloat16 || dtype == DType::kBFloat16, "unknown dtype code");
   require(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "sizes must be non-negative");
   require(nheads >= 1 && nheads_k >= 1 && nheads % nheads_k == 0, "nheads must be a multiple of nheads_k");
   require(nheads <= 65535 && batch <= 65535, "batch and nheads must be at most 65535");
   require(head_dim >= 8 && head_dim % 8 == 0, "head_dim must be a positive multiple of 8 (pad it)");
-  int kernel_head_dim = round_up_head_dim(head_dim);
-  require(kernel_head_dim > 0, "head_dim must be at most 256");
+  require(round_up_head_dim(head_dim) > 0, "head_dim must be at most 256");
   require(softmax_scale > 0.f, "softmax_scale must be positive");
-  if (batch == 0 || seqlen_q == 0) return;
-
+  if (batch == 0 || seqlen_q == 0) return false;
   check_operand("q", q, q_strides);
   check_operand("k", k, k_strides);
   check_operand("v", v, v_strides);
   check_operand("out", out, out_strides);
   require(lse != 0 && lse % 4 == 0, "softmax_lse must be an aligned float32 buffer");
 
-  FwdFn launch = find_fwd(family, DType(dtype_code), kernel_head_dim);
-  require(launch != nullptr, "no " + family_name + " forward kernel for head dim " + std::to_string(kernel_head_dim) +
-                                 " and this dtype was compiled in; rebuild with CUTEFLASH_HEADDIMS / CUTEFLASH_DTYPES "
-                                 "including it");
-  if (!family_runs(family)) {
-    throw std::runtime_error("cuteflash: the " + family_name +
-                             " kernels were not compiled for this GPU (or no CUDA GPU is usable); rebuild with "
-                             "TORCH_CUDA_ARCH_LIST naming its compute capability");
-  }
-
-  FwdParams p{};
   p.q = reinterpret_cast<void const*>(q);
   p.k = reinterpret_cast<void const*>(k);
   p.v = reinterpret_cast<void const*>(v);
@@ -94,6 +82,69 @@ void fwd(std::string const& family_name, int dtype_code, uintptr_t q, uintptr_t 
   p.softmax_scale = softmax_scale;
   p.softmax_scale_log2 = softmax_scale * 1.4426950408889634f;  // log2(e)
   p.causal = causal;
+  return true;
+}
+
+template <typename Fn>
+Fn require_kernel(Fn launch, Family family, std::string const& family_name, char const* direction, int head_dim) {
+  require(launch != nullptr, std::string("no ") + family_name + " " + direction + " kernel for head dim " +
+                                 std::to_string(round_up_head_dim(head_dim)) +
+                                 " and this dtype was compiled in; rebuild with CUTEFLASH_HEADDIMS / CUTEFLASH_DTYPES "
+                                 "/ CUTEFLASH_DIRECTIONS including it");
+  if (!family_runs(family)) {
+    throw std::runtime_error("cuteflash: the " + family_name +
+                             " kernels were not compiled for this GPU (or no CUDA GPU is usable); rebuild with "
+                             "TORCH_CUDA_ARCH_LIST naming its compute capability");
+  }
+  return launch;
+}
+
+void fwd(std::string const& family_name, int dtype_code, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
+         uintptr_t lse, Strides q_strides, Strides k_strides, Strides v_strides, Strides out_strides, int batch,
+         int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale, bool causal,
+         uintptr_t stream) {
+  Family family = parse_family(family_name);
+  FwdParams p{};
+  if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, batch,
+                       nheads, nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, causal)) {
+    return;
+  }
+  FwdFn launch = require_kernel(find_fwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family,
+                                family_name, "forward", head_dim);
+  launch(p, reinterpret_cast<cudaStream_t>(stream));
+}
+
+void bwd(std::string const& family_name, int dtype_code, uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v,
+         uintptr_t out, uintptr_t lse, uintptr_t dq_accum, uintptr_t d_rowsum, uintptr_t dk, uintptr_t dv,
+         Strides dout_strides, Strides q_strides, Strides k_strides, Strides v_strides, Strides out_strides,
+         Strides dq_accum_strides, Strides dk_strides, Strides dv_strides, int batch, int nheads, int nheads_k,
+         int nheads_dkv, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale, bool causal,
+         uintptr_t stream) {
+  Family family = parse_family(family_name);
+  BwdParams p{};
+  require(nheads_dkv == nheads || nheads_dkv == nheads_k, "nheads_dkv must be nheads or nheads_k");
+  if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, batch,
+                       nheads, nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, causal) ||
+      seqlen_k == 0) {
+    return;
+  }
+  check_operand("dout", dout, dout_strides);
+  check_operand("dk", dk, dk_strides);
+  check_operand("dv", dv, dv_strides);
+  require(dq_accum != 0 && dq_accum % 16 == 0 && d_rowsum != 0 && d_rowsum % 4 == 0,
+          "dq_accum and d_rowsum must be aligned float32 buffers");
+  p.dout = reinterpret_cast<void const*>(dout);
+  p.dk = reinterpret_cast<void*>(dk);
+  p.dv = reinterpret_cast<void*>(dv);
+  p.dq_accum = reinterpret_cast<float*>(dq_accum);
+  p.d_rowsum = reinterpret_cast<float*>(d_rowsum);
+  set_strides(dout_strides, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+  set_strides(dk_strides, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
+  set_strides(dv_strides, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
+  set_strides(dq_accum_strides, p.dq_accum_batch_stride, p.dq_accum_row_stride, p.dq_accum_head_stride);
+  p.nheads_dkv = nheads_dkv;
+  BwdFn launch = require_kernel(find_bwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family,
+                                family_name, "backward", head_dim);
   launch(p, reinterpret_cast<cudaStream_t>(stream));
 }
 
@@ -120,6 +171,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("fwd", &cuteflash::fwd, py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("out"), py::arg("lse"), py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"),
         py::arg("out_strides"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"),
+        py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"), py::arg("stream"));
+  m.def("bwd", &cuteflash::bwd, py::arg("family"), py::arg("dtype"), py::arg("dout"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq_accum"), py::arg("d_rowsum"), py::arg("dk"),
+        py::arg("dv"), py::arg("dout_strides"), py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"),
+        py::arg("out_strides"), py::arg("dq_accum_strides"), py::arg("dk_strides"), py::arg("dv_strides"),
+        py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("nheads_dkv"), py::arg("seqlen_q"),
         py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"), py::arg("stream"));
   m.def("family_runs", [](std::string const& family) { return cuteflash::family_runs(cuteflash::parse_family(family)); },
         py::arg("family"), "Whether the family's code in this module runs on the current CUDA device.");

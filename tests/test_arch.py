@@ -123,3 +123,13 @@ def test_cli_lists_families():
     out = subprocess.run([sys.executable, _arch.__file__, "Volta;8.0", "--cuda-version", "12.9"],
                          capture_output=True, text=True, check=True).stdout
     assert "sm70: 7.0+PTX" in out and "sm80: 8.0" in out
+
+
+def test_cmake_mode_without_list_uses_visible_gpus_or_the_default(monkeypatch):
+    visible = _arch.visible_gpu_arch_list()
+    out = run_cmake_mode("", "--cuda-version", "13.0")
+    if visible:
+        assert "visible GPUs" in out
+    else:
+        assert "default (no GPU visible): " + _arch.DEFAULT_ARCH_LIST["cuda13"] in out
+        assert 'set(CUTEFLASH_SM70_TARGETS "7.5")' in out

@@ -15,12 +15,14 @@ namespace cuteflash {
 enum class Family : int { kSm70 = 70, kSm80 = 80 };
 
 using FwdFn = void (*)(FwdParams const&, cudaStream_t);
+using BwdFn = void (*)(BwdParams const&, cudaStream_t);
 
 // True when the module holds code of this family that the current device can run.
 bool family_runs(Family family);
 
-// The forward launcher for a kernel head dim (one of kHeadDims), or nullptr if it was not compiled.
+// The forward / backward launcher for a kernel head dim (one of kHeadDims), or nullptr if it was not compiled.
 FwdFn find_fwd(Family family, DType dtype, int head_dim);
+BwdFn find_bwd(Family family, DType dtype, int head_dim);
 
 // Names of the compiled launchers, e.g. "run_fwd_sm80_fp16_hd64".
 std::vector<std::string> compiled_kernels();

@@ -35,4 +35,20 @@ struct FwdParams {
   bool causal;               // bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
 };
 
+// The backward pass: the forward's problem plus dO, the gradients and two fp32 work buffers.
+// dk/dv have nheads_dkv heads: nheads_k, or nheads for MQA/GQA, where Python then sums each group.
+struct BwdParams : FwdParams {
+  const void* dout;  // like q
+  void* dk;          // (batch, seqlen_k, nheads_dkv, head_dim)
+  void* dv;
+  float* dq_accum;   // (batch, seqlen_q, nheads, head_dim) fp32, zeroed; receives dS K (unscaled)
+  float* d_rowsum;   // D = rowsum(dO * O), (batch, nheads, seqlen_q) fp32, written by the preprocess kernel
+
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  int64_t dq_accum_batch_stride, dq_accum_row_stride, dq_accum_head_stride;
+  int nheads_dkv;
+};
+
 }  // namespace cuteflash

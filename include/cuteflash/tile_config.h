@@ -40,4 +40,15 @@ constexpr TileConfig sm80_fwd_tile_small_smem(int head_dim) {
   return head_dim <= 192 ? sm80_fwd_tile(head_dim) : TileConfig{64, 64, 4};
 }
 
+// sm80 backward: block_m query rows per inner step, block_n key rows per thread block, 8 warps. The
+// block keeps dK and dV for its keys in registers: (block_n x head_dim) x 2 over 256 threads.
+constexpr TileConfig sm80_bwd_tile(int head_dim) {
+  return head_dim <= 128 ? TileConfig{64, 128, 8} : TileConfig{64, 64, 8};
+}
+
+// sQ, sdO, sK, sV, and sP, sdS (block_m x block_n each).
+constexpr int sm80_bwd_smem_bytes(TileConfig t, int head_dim, int elem_bytes) {
+  return ((2 * t.block_m + 2 * t.block_n) * head_dim + 2 * t.block_m * t.block_n) * elem_bytes;
+}
+
 }  // namespace cuteflash

@@ -49,36 +49,83 @@ def fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
 
 
 @torch.library.custom_op("cuteflash::fwd", mutates_args=(), device_types="cuda")
-def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool) -> tuple[
-        torch.Tensor, torch.Tensor]:
-    """The forward kernel as an operator that torch.compile and autograd see."""
+def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
+        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel as an operator that torch.compile and autograd see (`deterministic` is kept
+    for the backward pass)."""
     return fwd_impl(q, k, v, softmax_scale, causal)
 
 
-def forward(q, k, v, softmax_scale: float, causal: bool):
+def forward(q, k, v, softmax_scale: float, causal: bool, deterministic: bool):
     """The op under torch.compile or when a gradient is wanted; otherwise the implementation directly,
     which skips the dispatcher's cost per call."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                       or v.requires_grad)):
-        return fwd(q, k, v, softmax_scale, causal)
+        return fwd(q, k, v, softmax_scale, causal, deterministic)
     return fwd_impl(q, k, v, softmax_scale, causal)
 
 
 @fwd.register_fake
-def _(q, k, v, softmax_scale, causal):
+def _(q, k, v, softmax_scale, causal, deterministic):
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
 
 
+@torch.library.custom_op("cuteflash::bwd", mutates_args=(), device_types="cuda")
+def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        softmax_scale: float, causal: bool, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward: dq, dk, dv from dout and what the forward pass saved."""
+    if deterministic:
+        raise NotImplementedError(
+            "cuteflash: deterministic=True is not implemented for the backward pass yet (dQ is summed with "
+            "atomics, whose order can change the last bits); pass deterministic=False"
+        )
+    family = select_family(q.device)
+    dout, q, k, v, out = (_kernel_operand(t) for t in (dout, q, k, v, out))
+    batch, seqlen_q, nheads, head_dim = q.shape
+    _, seqlen_k, nheads_k, _ = k.shape
+    # MQA/GQA: a dK/dV per query head, summed over each group below.
+    nheads_dkv = nheads if nheads != nheads_k else nheads_k
+    dq_accum = torch.zeros((batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
+    d_rowsum = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    dk = torch.empty((batch, seqlen_k, nheads_dkv, head_dim), dtype=q.dtype, device=q.device)
+    dv = torch.empty_like(dk)
+    if batch and seqlen_q and seqlen_k:
+        args = (family, _DTYPE_CODES[q.dtype], dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                out.data_ptr(), lse.data_ptr(), dq_accum.data_ptr(), d_rowsum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                _strides(dout), _strides(q), _strides(k), _strides(v), _strides(out), _strides(dq_accum),
+                _strides(dk), _strides(dv), batch, nheads, nheads_k, nheads_dkv, seqlen_q, seqlen_k, head_dim,
+                softmax_scale, causal, torch.cuda.current_stream(q.device).cuda_stream)
+        with torch.cuda.device(q.device):
+            compiled_module().bwd(*args)
+    else:  # no query or no key: every gradient is zero
+        dk.zero_()
+        dv.zero_()
+    dq = dq_accum.mul_(softmax_scale).to(q.dtype)
+    if nheads_dkv != nheads_k:
+        groups = nheads // nheads_k
+        dk = dk.view(batch, seqlen_k, nheads_k, groups, head_dim).sum(3)
+        dv = dv.view(batch, seqlen_k, nheads_k, groups, head_dim).sum(3)
+    return dq, dk, dv
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 def _setup_context(ctx, inputs, output):
-    pass
+    q, k, v, softmax_scale, causal, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.mark_non_differentiable(lse)  # as flash-attn: the log-sum-exp is returned for inspection only
 
 
 def _backward(ctx, grad_out, grad_lse):
-    raise NotImplementedError(
-        "cuteflash: the backward pass is not implemented yet (forward only); detach the inputs or use "
-        "torch.nn.functional.scaled_dot_product_attention for training"
-    )
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = bwd(grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
+    return dq, dk, dv, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

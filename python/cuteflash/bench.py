@@ -32,9 +32,10 @@ class Case:
     causal: bool
     dtype: str
 
-    def flops_fwd(self) -> float:
+    def flops(self, direction: str) -> float:
         f = 4.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
-        return f / 2 if self.causal else f
+        f = f / 2 if self.causal else f
+        return f * 2.5 if direction == "bwd" else f  # the backward pass does 2.5x the forward's matmuls
 
 
 @dataclass
@@ -43,8 +44,8 @@ class Result:
     correct: bool | None = None
     max_err: float | None = None
     pytorch_err: float | None = None
-    ms: dict = field(default_factory=dict)  # implementation -> forward milliseconds (None: unavailable)
-    tflops: dict = field(default_factory=dict)
+    ms: dict = field(default_factory=dict)  # "fwd"/"bwd" -> implementation -> milliseconds (None: unavailable)
+    tflops: dict = field(default_factory=dict)  # the same, in TFLOP/s
     note: str = ""
 
 
@@ -59,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seqlen", type=int, action="append", help="repeatable; default: the suite's")
     p.add_argument("--batch", type=int, help="default: the suite's")
     p.add_argument("--heads", type=int, help="default: the suite's")
-    p.add_argument("--forward-only", action="store_true", help="time the forward pass only (backward: not yet)")
+    p.add_argument("--forward-only", action="store_true", help="time the forward pass only")
     p.add_argument("--backend", choices=["auto", "sm70", "sm80"], default="auto", help="cuteflash kernel family")
     p.add_argument("--layout", choices=["native", "bshd", "bhsd"], default="native",
                    help="memory of the inputs: native (cuteflash reads contiguous (b, s, h, d) as flash-attn, "
@@ -117,6 +118,16 @@ def _time_ms(fns, repeats: int) -> float:
     return times[len(times) // 2]
 
 
+def _backward_call(fwd, qkv):
+    """A call that runs only the backward pass of fwd on these inputs (the graph is built once)."""
+    import torch
+
+    leaves = [t.detach().requires_grad_() for t in qkv]
+    out = fwd(*leaves)
+    dout = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+
 def run_case(case: Case, args) -> Result:
     import torch
     import torch.nn.functional as F
@@ -160,38 +171,53 @@ def run_case(case: Case, args) -> Result:
     elif args.layout == "bhsd":
         sets_t = [tuple(t.contiguous() for t in qkv) for qkv in sets_t]
         sets = [tuple(t.transpose(1, 2) for t in qkv) for qkv in sets_t]
-    impls = {"cuteflash": (contextlib.nullcontext(),
-                           [lambda q=q, k=k, v=v: flash_attn_func(q, k, v, causal=case.causal) for q, k, v in sets])}
+    def cuteflash_fwd(q, k, v):
+        return flash_attn_func(q, k, v, causal=case.causal)
+
+    def sdpa_fwd(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
-    for name in SDPA_BACKENDS:
-        impls[name] = (sdpa_kernel(backends[name]),
-                       [lambda qkv=qkv: F.scaled_dot_product_attention(*qkv, is_causal=case.causal) for qkv in sets_t])
-    for name, (context, fns) in impls.items():
-        try:
-            with context:
-                res.ms[name] = _time_ms(fns, args.repeats)
-            res.tflops[name] = case.flops_fwd() / (res.ms[name] * 1e-3) / 1e12
-        except (RuntimeError, torch.cuda.OutOfMemoryError):
-            if name == "cuteflash":
-                raise
-            res.ms[name] = res.tflops[name] = None  # this backend does not run this case
-        torch.cuda.empty_cache()
+    impls = {"cuteflash": (contextlib.nullcontext, cuteflash_fwd, sets)}
+    impls.update({name: (lambda b=b: sdpa_kernel(b), sdpa_fwd, sets_t) for name, b in backends.items()})
+    directions = ["fwd"] if args.forward_only else ["fwd", "bwd"]
+    for direction in directions:
+        res.ms[direction], res.tflops[direction] = {}, {}
+        for name, (context, fwd, inputs) in impls.items():
+            try:
+                with context():
+                    fns = [(lambda qkv=qkv: fwd(*qkv)) if direction == "fwd" else _backward_call(fwd, qkv)
+                           for qkv in inputs]
+                    ms = _time_ms(fns, args.repeats)
+                res.ms[direction][name] = ms
+                res.tflops[direction][name] = case.flops(direction) / (ms * 1e-3) / 1e12
+            except (RuntimeError, NotImplementedError, torch.cuda.OutOfMemoryError):
+                if name == "cuteflash":
+                    raise
+                res.ms[direction][name] = res.tflops[direction][name] = None  # this backend does not run it
+            del fns
+            torch.cuda.empty_cache()
     return res
 
 
 def format_table(results: list[Result]) -> str:
     impls = ["cuteflash", *SDPA_BACKENDS]
-    header = f"{'dtype':5} {'B':>3} {'H':>3} {'S':>6} {'D':>4} {'causal':6} " + " ".join(f"{n:>10}" for n in impls)
-    header += f" {'vs flash':>8} {'check':>6}"
-    lines = ["forward TFLOP/s", header, "-" * len(header)]
-    for r in results:
-        c = r.case
-        cells = " ".join(f"{r.tflops[n]:10.1f}" if r.tflops.get(n) else f"{'-':>10}" for n in impls)
-        ratio = r.tflops["cuteflash"] / r.tflops["flash"] if r.tflops.get("flash") else float("nan")
-        check = {True: "ok", False: "FAIL", None: "-"}[r.correct]
-        lines.append(f"{c.dtype:5} {c.batch:3} {c.heads:3} {c.seqlen_q:6} {c.head_dim:4} {str(c.causal):6} "
-                     f"{cells} {ratio:8.2f} {check:>6}")
+    lines = []
+    for direction in ("fwd", "bwd"):
+        rows = [r for r in results if r.tflops.get(direction)]
+        if not rows:
+            continue
+        header = (f"{'dtype':5} {'B':>3} {'H':>3} {'S':>6} {'D':>4} {'causal':6} "
+                  + " ".join(f"{n:>10}" for n in impls) + f" {'vs flash':>8} {'check':>6}")
+        lines += ["", f"{'forward' if direction == 'fwd' else 'backward'} TFLOP/s", header, "-" * len(header)]
+        for r in rows:
+            c, t = r.case, r.tflops[direction]
+            cells = " ".join(f"{t[n]:10.1f}" if t.get(n) else f"{'-':>10}" for n in impls)
+            ratio = t["cuteflash"] / t["flash"] if t.get("flash") else float("nan")
+            check = {True: "ok", False: "FAIL", None: "-"}[r.correct]
+            lines.append(f"{c.dtype:5} {c.batch:3} {c.heads:3} {c.seqlen_q:6} {c.head_dim:4} {str(c.causal):6} "
+                         f"{cells} {ratio:8.2f} {check:>6}")
     return "\n".join(lines)
 
 
@@ -206,11 +232,12 @@ def write_outputs(results: list[Result], args, device: dict) -> None:
             w = csv.writer(f)
             impls = ["cuteflash", *SDPA_BACKENDS]
             w.writerow(["dtype", "batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "causal", "correct", "max_err",
-                        "pytorch_err"] + [f"{n}_fwd_tflops" for n in impls])
+                        "pytorch_err"] + [f"{n}_{d}_tflops" for d in ("fwd", "bwd") for n in impls])
             for r in results:
                 c = r.case
                 w.writerow([c.dtype, c.batch, c.heads, c.seqlen_q, c.seqlen_k, c.head_dim, c.causal, r.correct,
-                            r.max_err, r.pytorch_err] + [r.tflops.get(n) for n in impls])
+                            r.max_err, r.pytorch_err]
+                           + [r.tflops.get(d, {}).get(n) for d in ("fwd", "bwd") for n in impls])
 
 
 def main(argv=None) -> int:
@@ -248,10 +275,15 @@ def main(argv=None) -> int:
     print(format_table(results))
     write_outputs(results, args, device)
     failed = [r for r in results if r.correct is False]
-    ratios = [r.tflops["cuteflash"] / r.tflops["flash"] for r in results if r.tflops.get("flash")]
-    geo = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
+    speed = []
+    for direction in ("fwd", "bwd"):
+        ratios = [r.tflops[direction]["cuteflash"] / r.tflops[direction]["flash"]
+                  for r in results if r.tflops.get(direction, {}).get("flash")]
+        if ratios:
+            geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            speed.append(f"{'forward' if direction == 'fwd' else 'backward'} {geo:.2f}x")
     verdict = "CORRECT" if not failed else f"{len(failed)} INCORRECT"
-    print(f"verdict: {verdict}; forward speed vs PyTorch's flash backend: {geo:.2f}x (geometric mean)")
+    print(f"verdict: {verdict}; speed vs PyTorch's flash backend (geometric mean): {', '.join(speed) or '-'}")
     return 1 if failed else 0
 
 

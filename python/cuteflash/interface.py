@@ -60,7 +60,8 @@ def _check_qkv(q, k, v) -> None:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
-def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
+def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+               return_attn_probs):
     _check_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     if softmax_scale is not None and not (
             isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
@@ -74,7 +75,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     pad = -head_dim % 8
     if pad:
         q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
-    out, lse = _ops.forward(q, k, v, float(softmax_scale), bool(causal))
+    out, lse = _ops.forward(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
     if pad:
         out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
@@ -107,7 +108,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         softmax_scale: float. Scaling of QK^T before the softmax; default 1 / sqrt(headdim).
         causal: bool. Whether to apply the (bottom-right aligned) causal mask.
         window_size, softcap, alibi_slopes: not implemented yet; only the defaults are accepted.
-        deterministic: bool. Whether the backward pass is deterministic (used by the backward pass).
+        deterministic: bool. Whether the backward pass must be deterministic (not implemented yet: the
+            backward pass raises NotImplementedError when it is True).
         return_attn_probs: bool. Also return the log-sum-exp (for testing; no attention matrix is made).
     Return:
         out: (batch_size, seqlen_q, nheads, headdim).
@@ -116,7 +118,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         None [if return_attn_probs]: in place of flash-attn's dropout mask.
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      return_attn_probs)
+                      deterministic, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -130,7 +132,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
         shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {shape}")
     return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes, return_attn_probs)
+                      softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -144,4 +146,4 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
         shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {shape}")
     return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, return_attn_probs)
+                      alibi_slopes, deterministic, return_attn_probs)

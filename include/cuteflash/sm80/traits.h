@@ -86,4 +86,68 @@ struct FwdTraitsSelect {
   using type = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.n_warps>;
 };
 
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+struct BwdTraits {
+  using Element = Element_;
+  static_assert(std::is_same_v<Element, half_t> || std::is_same_v<Element, bfloat16_t>);
+
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // query rows per step of the loop
+  static constexpr int kBlockN = kBlockN_;  // key rows of this thread block
+  static constexpr int kNWarps = 8;
+  static constexpr int kNThreads = kNWarps * 32;
+
+  using MmaAtom = typename FwdTraits<Element, kHeadDim, 128, kBlockN, 8>::MmaAtom;
+  // S = Q K^T and dP = dO V^T: (kBlockM, kBlockN), warps 2 x 4. No row statistics are needed (P comes
+  // from the saved log-sum-exp), so the warps may split the keys.
+  using TiledMmaSdP = TiledMMA<MmaAtom, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>;
+  // dV += P^T dO and dK += dS^T Q: (kBlockN, kHeadDim), warps 4 x 2.
+  using TiledMmadKV = TiledMMA<MmaAtom, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
+  // dQ = dS K: (kBlockM, kHeadDim), warps 4 x 2.
+  using TiledMmadQ = TiledMMA<MmaAtom, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
+  static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 32 == 0);
+
+  using Fwd = FwdTraits<Element, kHeadDim, 128, kBlockN, 8>;  // for the shared smem atom and copies
+  using SmemLayoutQ = decltype(tile_to_shape(typename Fwd::SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(typename Fwd::SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // Transposed views, read with ldmatrix.trans: Q^T and dO^T (kHeadDim, kBlockM), K^T (kHeadDim, kBlockN).
+  using SmemLayoutQt =
+      decltype(composition(SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, GenRowMajor{})));
+  using SmemLayoutKt =
+      decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  // P and dS, (kBlockM, kBlockN), and their transposes (kBlockN, kBlockM).
+  using SmemLayoutAtomPdS = decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{}));
+  using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutPdSt =
+      decltype(composition(SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, GenRowMajor{})));
+
+  using SmemCopyAtom = typename Fwd::SmemCopyAtom;
+  using SmemCopyAtomTransposed = typename Fwd::SmemCopyAtomTransposed;
+  using SmemCopyAtomPdS = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+
+  static constexpr int kGmemThreadsPerRow = Fwd::kGmemThreadsPerRow;
+  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+                                  Stride<Int<kGmemThreadsPerRow>, _1>>;
+  using GmemTiledCopy = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
+                                                 GmemThreadLayout{}, typename Fwd::GmemValLayout{}));
+  static_assert(kBlockM % (kNThreads / kGmemThreadsPerRow) == 0);
+
+  struct SharedStorage {
+    array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
+    array_aligned<Element, cosize_v<SmemLayoutKV>> k;
+    array_aligned<Element, cosize_v<SmemLayoutKV>> v;
+    array_aligned<Element, cosize_v<SmemLayoutPdS>> p;
+    array_aligned<Element, cosize_v<SmemLayoutPdS>> ds;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes == sm80_bwd_smem_bytes(TileConfig{kBlockM, kBlockN, kNWarps}, kHeadDim, sizeof(Element)));
+};
+
+template <typename Element, int kHeadDim>
+struct BwdTraitsSelect {
+  static constexpr TileConfig kTile = sm80_bwd_tile(kHeadDim);
+  using type = BwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n>;
+};
+
 }  // namespace cuteflash::sm80

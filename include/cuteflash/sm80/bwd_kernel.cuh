@@ -1,0 +1,259 @@
+// sm80 backward kernels: FlashAttention-2's dQ, dK, dV with ldmatrix + mma.sync.m16n8k16 + cp.async.
+//
+// A preprocess kernel computes D = rowsum(dO * O). The main kernel owns kBlockN keys of one
+// (batch, head) and walks the query blocks that see them, recomputing P from Q, K and the saved
+// log-sum-exp:
+//   S = Q K^T, dP = dO V^T  ->  P = exp(scale S - lse), dS = P * (dP - D)  ->  P, dS to shared memory
+//   dV += P^T dO,  dK += dS^T Q,  dQ += dS K (fp32 atomics into dq_accum)
+// dK and dV stay in registers until the end; dQ and dK get the softmax scale applied once.
+#pragma once
+
+#include "cuteflash/mask.cuh"
+#include "cuteflash/params.h"
+#include "cuteflash/sm80/fwd_kernel.cuh"
+#include "cuteflash/sm80/traits.h"
+#include "cuteflash/utils.cuh"
+
+namespace cuteflash::sm80 {
+
+// D = rowsum(dO * O) in fp32: one warp per query row, 16-byte loads.
+template <typename Element>
+__global__ void bwd_preprocess_kernel(const BwdParams p) {
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  if (row >= p.seqlen_q) return;
+  auto const* o = static_cast<Element const*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride +
+                  head * p.o_head_stride;
+  auto const* dout = static_cast<Element const*>(p.dout) + batch * p.do_batch_stride + row * p.do_row_stride +
+                     head * p.do_head_stride;
+  float sum = 0.f;
+  for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
+    uint4 o8 = *reinterpret_cast<uint4 const*>(o + c);
+    uint4 do8 = *reinterpret_cast<uint4 const*>(dout + c);
+    auto const* oe = reinterpret_cast<Element const*>(&o8);
+    auto const* doe = reinterpret_cast<Element const*>(&do8);
+    CUTE_UNROLL
+    for (int j = 0; j < 8; ++j) sum += static_cast<float>(oe[j]) * static_cast<float>(doe[j]);
+  }
+  CUTE_UNROLL
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  if (lane == 0) p.d_rowsum[(int64_t(batch) * p.nheads + head) * p.seqlen_q + row] = sum;
+}
+
+// Writes an accumulator tile (rows < max_rows, columns < max_cols) to global memory, element by element:
+// once per thread block, so plain stores suffice.
+template <typename Acc, typename Coord, typename Element>
+__device__ __forceinline__ void store_tile(Acc const& acc, Coord const& coord, Element* base, int64_t row_stride,
+                                           int max_rows, int max_cols) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    int row = get<0>(coord(i));
+    int col = get<1>(coord(i));
+    if (row < max_rows && col < max_cols) base[row * row_stride + col] = acc(i);
+  }
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+
+  extern __shared__ __align__(128) char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+
+  const int n_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int head_k = head / (p.nheads / p.nheads_k);
+  const int tid = threadIdx.x;
+  const int keys_left = p.seqlen_k - n_block * kBlockN;
+  const int shift = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + shift
+
+  // Query blocks with a row that sees a key of this block, and the first from which no row needs a mask.
+  const int m_block_max = ceil_div(p.seqlen_q, kBlockM);
+  int m_block_min = 0;
+  int m_block_first_unmasked = 0;
+  if (p.causal) {
+    m_block_min = max(0, n_block * kBlockN - shift) / kBlockM;
+    int first_full_row = (n_block + 1) * kBlockN - 1 - shift;  // sees every key of the block
+    m_block_first_unmasked = first_full_row <= 0 ? 0 : ceil_div(first_full_row, kBlockM);
+  }
+  if (keys_left < kBlockN) m_block_first_unmasked = m_block_max;  // keys past seqlen_k in every step
+  m_block_first_unmasked = max(m_block_min, min(m_block_first_unmasked, m_block_max));
+
+  Tensor gQ = head_tiles<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
+                                            head * p.q_head_stride, p.seqlen_q, p.q_row_stride);
+  Tensor gdO = head_tiles<kBlockM, kHeadDim>(static_cast<Element const*>(p.dout), batch * p.do_batch_stride,
+                                             head * p.do_head_stride, p.seqlen_q, p.do_row_stride);
+  // gQ, gdO: (kBlockM, kHeadDim, m_blocks)
+  Tensor gK = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
+                                            head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride)(_, _, n_block);
+  Tensor gV = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
+                                            head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride)(_, _, n_block);
+  // gK, gV: (kBlockN, kHeadDim)
+  const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
+  float const* lse = p.lse + row_stats;
+  float const* d_rowsum = p.d_rowsum + row_stats;
+  float* dq_accum = p.dq_accum + batch * p.dq_accum_batch_stride + head * p.dq_accum_head_stride;
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});      // (kBlockM, kHeadDim)
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});    // (kHeadDim, kBlockM)
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQt{});  // (kHeadDim, kBlockM)
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});    // (kHeadDim, kBlockN)
+  Tensor sP = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutPdS{});    // (kBlockM, kBlockN)
+  Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
+  Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutPdSt{});  // (kBlockN, kBlockM)
+  Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutPdSt{});  // (kBlockN, kBlockM)
+
+  // ---- Loads: K and V once, Q and dO per query block (zero-filled past seqlen and head_dim).
+  typename Traits::GmemTiledCopy gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor tQgQ = gmem_thr.partition_S(gQ);  // (CPY, CPY_M, CPY_K, m_blocks)
+  Tensor tQsQ = gmem_thr.partition_D(sQ);
+  Tensor tdOgdO = gmem_thr.partition_S(gdO);
+  Tensor tdOsdO = gmem_thr.partition_D(sdO);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKVcKV, keys_left,
+                          p.head_dim);
+  copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKVcKV, keys_left,
+                          p.head_dim);
+  cp_async_commit();
+  auto load_q_do = [&](int m_block) {
+    int rows_left = p.seqlen_q - m_block * kBlockM;
+    copy_tile_bounded<true>(gmem_copy, tQgQ(_, _, _, m_block), tQsQ, tQcQ, rows_left, p.head_dim);
+    copy_tile_bounded<true>(gmem_copy, tdOgdO(_, _, _, m_block), tdOsdO, tQcQ, rows_left, p.head_dim);
+    cp_async_commit();
+  };
+  if (m_block_min < m_block_max) load_q_do(m_block_min);
+
+  // ---- S and dP: (kBlockM, kBlockN), both operands from shared memory.
+  typename Traits::TiledMmaSdP mma_sdp;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);     // (MMA, MMA_M, MMA_K)
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);     // (MMA, MMA_N, MMA_K)
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_K)
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);    // (MMA, MMA_N, MMA_K)
+  auto copy_a_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto thr_a_sdp = copy_a_sdp.get_thread_slice(tid);
+  auto copy_b_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto thr_b_sdp = copy_b_sdp.get_thread_slice(tid);
+  Tensor tSsQ = thr_a_sdp.partition_S(sQ);
+  Tensor tdPsdO = thr_a_sdp.partition_S(sdO);
+  Tensor tSsK = thr_b_sdp.partition_S(sK);
+  Tensor tdPsV = thr_b_sdp.partition_S(sV);
+  auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
+  auto thr_pds = copy_pds.get_thread_slice(tid);
+  Tensor tPsP = thr_pds.partition_D(sP);
+  Tensor tdSsdS = thr_pds.partition_D(sdS);
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+
+  // ---- dV and dK: (kBlockN, kHeadDim), A = P^T / dS^T, B = dO^T / Q^T, all read transposed.
+  typename Traits::TiledMmadKV mma_dkv;
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);    // (MMA, MMA_N, MMA_K over queries)
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K)
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+  auto copy_a_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto thr_a_dkv = copy_a_dkv.get_thread_slice(tid);
+  auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto thr_b_dkv = copy_b_dkv.get_thread_slice(tid);
+  Tensor tdVsPt = thr_a_dkv.partition_S(sPt);
+  Tensor tdKsdSt = thr_a_dkv.partition_S(sdSt);
+  Tensor tdVsdOt = thr_b_dkv.partition_S(sdOt);
+  Tensor tdKsQt = thr_b_dkv.partition_S(sQt);
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // ---- dQ: (kBlockM, kHeadDim), A = dS, B = K^T.
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_K over keys)
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);  // (MMA, MMA_D, MMA_K)
+  auto copy_a_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
+  auto thr_a_dq = copy_a_dq.get_thread_slice(tid);
+  auto copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
+  auto thr_b_dq = copy_b_dq.get_thread_slice(tid);
+  Tensor tdQsdS = thr_a_dq.partition_S(sdS);
+  Tensor tdQsKt = thr_b_dq.partition_S(sKt);
+  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+
+  constexpr float kLog2e = 1.4426950408889634f;
+  // One loop with a uniform branch for the mask, not a lambda instantiated twice as in the forward
+  // kernel: at head dim 256 nvcc did not inline such a lambda, and every fragment it captured went to
+  // local memory (4960-byte stack frame).
+  for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+    cp_async_wait<0>();
+    __syncthreads();  // Q and dO of this block (and K, V) are in shared memory
+
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    clear(acc_dp);
+    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
+    gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
+
+    // P = exp(scale S - lse) and dS = P (dP - D), in place. Rows past seqlen_q get lse = +inf: P = 0.
+    Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));    // (rows, cols)
+    Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));  // (rows, cols)
+    if (m_block < m_block_first_unmasked) {
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
+    }
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(s); ++mi) {
+      int row = m_block * kBlockM + get<0>(tScS_rc(mi, 0));
+      float lse_log2 = row < p.seqlen_q ? lse[row] * kLog2e : INFINITY;
+      float d = row < p.seqlen_q ? d_rowsum[row] : 0.f;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(s); ++ni) {
+        float prob = exp2_approx(s(mi, ni) * p.softmax_scale_log2 - lse_log2);
+        s(mi, ni) = prob;
+        dp(mi, ni) = prob * (dp(mi, ni) - d);
+      }
+    }
+    copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_s)), tPsP);
+    copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_dp)), tdSsdS);
+    __syncthreads();  // P and dS are in shared memory
+
+    gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, mma_dkv, copy_a_dkv, thr_a_dkv, copy_b_dkv, thr_b_dkv);
+    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, copy_a_dkv, thr_a_dkv, copy_b_dkv, thr_b_dkv);
+    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
+    clear(acc_dq);
+    gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq, thr_b_dq);
+    __syncthreads();  // no warp reads Q, dO, P or dS any more
+    if (m_block + 1 < m_block_max) load_q_do(m_block + 1);  // lands while the atomics below run
+
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); ++i) {
+      int row = m_block * kBlockM + get<0>(tdQcdQ(i));
+      int col = get<1>(tdQcdQ(i));
+      if (row < p.seqlen_q && col < p.head_dim) global_red_add(dq_accum + row * p.dq_accum_row_stride + col, acc_dq(i));
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- Epilogue: dK = scale * dS^T Q, dV; a key block no query sees gets zeros.
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
+  Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  const int head_dkv = p.nheads_dkv == p.nheads ? head : head_k;
+  auto* dk = static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head_dkv * p.dk_head_stride +
+             int64_t(n_block) * kBlockN * p.dk_row_stride;
+  auto* dv = static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head_dkv * p.dv_head_stride +
+             int64_t(n_block) * kBlockN * p.dv_row_stride;
+  store_tile(convert_fragment<Element>(acc_dk), tdKVcdKV, dk, p.dk_row_stride, keys_left, p.head_dim);
+  store_tile(convert_fragment<Element>(acc_dv), tdKVcdKV, dv, p.dv_row_stride, keys_left, p.head_dim);
+}
+
+}  // namespace cuteflash::sm80
