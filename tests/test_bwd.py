@@ -97,11 +97,28 @@ def test_lse_is_not_differentiable():
     assert out.requires_grad and not lse.requires_grad
 
 
-def test_deterministic_backward_is_refused_for_now():
-    q, k, v = (t.requires_grad_() for t in make_qkv(1, 64, 64, 2, 2, 64, torch.float16))
-    out = flash_attn_func(q, k, v, deterministic=True)  # the forward pass is deterministic anyway
-    with pytest.raises(NotImplementedError, match="deterministic=True"):
-        out.sum().backward()
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_deterministic_backward_is_bitwise_reproducible(head_dim, causal):
+    q, k, v = make_qkv(2, 777, 1031, 6, 2, head_dim, torch.bfloat16)
+    dout = torch.randn_like(q)
+    runs = []
+    for _ in range(3):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        flash_attn_func(*leaves, causal=causal, deterministic=True).backward(dout)
+        runs.append([t.grad for t in leaves])
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (113, 203), (203, 113), (1025, 1025)])
+def test_deterministic_backward_accuracy(seqlen_q, seqlen_k, head_dim, causal, dtype):
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
+    check_grads(q, k, v, causal, fn=lambda *a, **kw: flash_attn_func(*a, deterministic=True, **kw))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])

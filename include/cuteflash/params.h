@@ -42,13 +42,18 @@ struct BwdParams : FwdParams {
   void* dk;          // (batch, seqlen_k, nheads_dkv, head_dim)
   void* dv;
   float* dq_accum;   // (batch, seqlen_q, nheads, head_dim) fp32, zeroed; receives dS K (unscaled)
+  void* dq;          // like q; written directly by the deterministic dQ kernel
   float* d_rowsum;   // D = rowsum(dO * O), (batch, nheads, seqlen_q) fp32, written by the preprocess kernel
 
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
   int64_t dq_accum_batch_stride, dq_accum_row_stride, dq_accum_head_stride;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   int nheads_dkv;
+  // dQ by a second kernel that walks the keys of each query block (bitwise reproducible), instead of
+  // fp32 atomics from the dK/dV kernel (whose order varies between runs).
+  bool deterministic;
 };
 
 }  // namespace cuteflash

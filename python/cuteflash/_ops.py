@@ -74,34 +74,43 @@ def _(q, k, v, softmax_scale, causal, deterministic):
 @torch.library.custom_op("cuteflash::bwd", mutates_args=(), device_types="cuda")
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
         softmax_scale: float, causal: bool, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward: dq, dk, dv from dout and what the forward pass saved."""
-    if deterministic:
-        raise NotImplementedError(
-            "cuteflash: deterministic=True is not implemented for the backward pass yet (dQ is summed with "
-            "atomics, whose order can change the last bits); pass deterministic=False"
-        )
+    """Attention backward: dq, dk, dv from dout and what the forward pass saved. With deterministic,
+    dQ comes from a second kernel instead of fp32 atomics: bitwise reproducible, and slower."""
     family = select_family(q.device)
     dout, q, k, v, out = (_kernel_operand(t) for t in (dout, q, k, v, out))
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_k, _ = k.shape
     # MQA/GQA: a dK/dV per query head, summed over each group below.
     nheads_dkv = nheads if nheads != nheads_k else nheads_k
-    dq_accum = torch.zeros((batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
-    d_rowsum = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    # The separate dQ kernel is also the faster one above head dim 128 (H200, fp16, S=2048, 2026-11-21:
+    # d=256 127 -> 158 TFLOP/s, causal 115 -> 140), and needs no fp32 dQ buffer.
+    deterministic = deterministic or head_dim > 128
+    if deterministic:
+        dq = torch.empty_like(q)
+        dq_accum = torch.empty((0, 0, 0, 0), **f32)
+    else:
+        dq = torch.empty((0, 0, 0, 0), dtype=q.dtype, device=q.device)
+        dq_accum = torch.zeros((batch, seqlen_q, nheads, head_dim), **f32)
+    d_rowsum = torch.empty((batch, nheads, seqlen_q), **f32)
     dk = torch.empty((batch, seqlen_k, nheads_dkv, head_dim), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     if batch and seqlen_q and seqlen_k:
         args = (family, _DTYPE_CODES[q.dtype], dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                out.data_ptr(), lse.data_ptr(), dq_accum.data_ptr(), d_rowsum.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                _strides(dout), _strides(q), _strides(k), _strides(v), _strides(out), _strides(dq_accum),
-                _strides(dk), _strides(dv), batch, nheads, nheads_k, nheads_dkv, seqlen_q, seqlen_k, head_dim,
-                softmax_scale, causal, torch.cuda.current_stream(q.device).cuda_stream)
+                out.data_ptr(), lse.data_ptr(), dq.data_ptr(), dq_accum.data_ptr(), d_rowsum.data_ptr(),
+                dk.data_ptr(), dv.data_ptr(), _strides(dout), _strides(q), _strides(k), _strides(v), _strides(out),
+                _strides(dq), _strides(dq_accum), _strides(dk), _strides(dv), batch, nheads, nheads_k, nheads_dkv,
+                seqlen_q, seqlen_k, head_dim, softmax_scale, causal, deterministic,
+                torch.cuda.current_stream(q.device).cuda_stream)
         with torch.cuda.device(q.device):
             compiled_module().bwd(*args)
     else:  # no query or no key: every gradient is zero
         dk.zero_()
         dv.zero_()
-    dq = dq_accum.mul_(softmax_scale).to(q.dtype)
+        if deterministic:
+            dq.zero_()
+    if not deterministic:
+        dq = dq_accum.mul_(softmax_scale).to(q.dtype)
     if nheads_dkv != nheads_k:
         groups = nheads // nheads_k
         dk = dk.view(batch, seqlen_k, nheads_k, groups, head_dim).sum(3)

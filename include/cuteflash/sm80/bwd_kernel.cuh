@@ -229,16 +229,22 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
     gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, mma_dkv, copy_a_dkv, thr_a_dkv, copy_b_dkv, thr_b_dkv);
     gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, copy_a_dkv, thr_a_dkv, copy_b_dkv, thr_b_dkv);
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
-    clear(acc_dq);
-    gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq, thr_b_dq);
+    if (!p.deterministic) {
+      clear(acc_dq);
+      gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq, thr_b_dq);
+    }
     __syncthreads();  // no warp reads Q, dO, P or dS any more
     if (m_block + 1 < m_block_max) load_q_do(m_block + 1);  // lands while the atomics below run
 
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); ++i) {
-      int row = m_block * kBlockM + get<0>(tdQcdQ(i));
-      int col = get<1>(tdQcdQ(i));
-      if (row < p.seqlen_q && col < p.head_dim) global_red_add(dq_accum + row * p.dq_accum_row_stride + col, acc_dq(i));
+    if (!p.deterministic) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dq); ++i) {
+        int row = m_block * kBlockM + get<0>(tdQcdQ(i));
+        int col = get<1>(tdQcdQ(i));
+        if (row < p.seqlen_q && col < p.head_dim) {
+          global_red_add(dq_accum + row * p.dq_accum_row_stride + col, acc_dq(i));
+        }
+      }
     }
   }
   cp_async_wait<0>();
@@ -254,6 +260,135 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
              int64_t(n_block) * kBlockN * p.dv_row_stride;
   store_tile(convert_fragment<Element>(acc_dk), tdKVcdKV, dk, p.dk_row_stride, keys_left, p.head_dim);
   store_tile(convert_fragment<Element>(acc_dv), tdKVcdKV, dv, p.dv_row_stride, keys_left, p.head_dim);
+}
+
+// Deterministic dQ: one thread block per query block walks the key blocks it sees (in a fixed order),
+// recomputing S and dP, and keeps dQ += dS K in registers. The forward kernel's shape: warps along the
+// query rows, dS fed to the next MMA straight from the accumulators, K^T read like V^T there.
+template <typename Element, int kHeadDim>
+using DqTraits = FwdTraits<Element, kHeadDim, 64, 64, 4>;
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  struct SharedStorage {
+    array_aligned<Element, cosize_v<typename Traits::SmemLayoutQ>> q, dout;
+    array_aligned<Element, cosize_v<typename Traits::SmemLayoutKV>> k, v;
+  };
+  extern __shared__ __align__(128) char smem_raw[];
+  auto& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  const int m_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int head_k = head / (p.nheads / p.nheads_k);
+  const int tid = threadIdx.x;
+  const int rows_left = p.seqlen_q - m_block * kBlockM;
+
+  Tensor gQ = head_tiles<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
+                                            head * p.q_head_stride, p.seqlen_q, p.q_row_stride)(_, _, m_block);
+  Tensor gdO = head_tiles<kBlockM, kHeadDim>(static_cast<Element const*>(p.dout), batch * p.do_batch_stride,
+                                             head * p.do_head_stride, p.seqlen_q, p.do_row_stride)(_, _, m_block);
+  Tensor gK = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
+                                            head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride);
+  Tensor gV = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
+                                            head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride);
+  // gQ, gdO: (kBlockM, kHeadDim); gK, gV: (kBlockN, kHeadDim, n_blocks)
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});      // (kBlockM, kHeadDim)
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutVt{});    // (kHeadDim, kBlockN)
+
+  typename Traits::GmemTiledCopyQKV gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor tKgK = gmem_thr.partition_S(gK);  // (CPY, CPY_N, CPY_K, n_blocks)
+  Tensor tVgV = gmem_thr.partition_S(gV);
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+  copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gQ), gmem_thr.partition_D(sQ), tQcQ, rows_left, p.head_dim);
+  copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gdO), gmem_thr.partition_D(sdO), tQcQ, rows_left,
+                          p.head_dim);
+
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tid);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K)
+  Tensor tdPrdO = thr_mma.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_mma.partition_fragment_B(sV);
+  Tensor tdQrKt = thr_mma.partition_fragment_B(sKt);  // (MMA, MMA_D, MMA_K over keys)
+  auto copy_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto thr_a = copy_a.get_thread_slice(tid);
+  auto copy_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto thr_b = copy_b.get_thread_slice(tid);
+  auto copy_bt = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+  auto thr_bt = copy_bt.get_thread_slice(tid);
+  Tensor tSsQ = thr_a.partition_S(sQ);
+  Tensor tdPsdO = thr_a.partition_S(sdO);
+  Tensor tSsK = thr_b.partition_S(sK);
+  Tensor tdPsV = thr_b.partition_S(sV);
+  Tensor tdQsKt = thr_bt.partition_S(sKt);
+  Tensor acc_dq = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
+  clear(acc_dq);
+
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+  constexpr float kLog2e = 1.4426950408889634f;
+  float lse_log2[kRows], d_row[kRows];
+  const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    int row = m_block * kBlockM + get<0>(tScS_rc(mi, 0));
+    lse_log2[mi] = row < p.seqlen_q ? p.lse[row_stats + row] * kLog2e : INFINITY;
+    d_row[mi] = row < p.seqlen_q ? p.d_rowsum[row_stats + row] : 0.f;
+  }
+
+  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
+  for (int n_block = keys.n_block_max - 1; n_block >= 0; --n_block) {
+    __syncthreads();  // no warp still reads the previous K and V
+    int keys_left = p.seqlen_k - n_block * kBlockN;
+    copy_tile_bounded<true>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, keys_left, p.head_dim);
+    copy_tile_bounded<true>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, keys_left, p.head_dim);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+    Tensor acc_dp = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    clear(acc_dp);
+    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, copy_a, thr_a, copy_b, thr_b);
+    gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, tiled_mma, copy_a, thr_a, copy_b, thr_b);
+    Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+    if (n_block >= keys.n_block_first_masked) {
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
+    }
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(s); ++ni) {
+        float prob = exp2_approx(s(mi, ni) * p.softmax_scale_log2 - lse_log2[mi]);
+        dp(mi, ni) = prob * (dp(mi, ni) - d_row[mi]);  // dS
+      }
+    }
+    Tensor rdS = convert_fragment<Element>(acc_dp);
+    Tensor tdQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));  // (MMA, MMA_M, MMA_K over keys)
+    gemm_rs(acc_dq, tdQrdS, tdQrKt, tdQsKt, tiled_mma, copy_bt, thr_bt);
+  }
+
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= p.softmax_scale;
+  Tensor tdQcdQ = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  auto* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
+             int64_t(m_block) * kBlockM * p.dq_row_stride;
+  store_tile(convert_fragment<Element>(acc_dq), tdQcdQ, dq, p.dq_row_stride, rows_left, p.head_dim);
 }
 
 }  // namespace cuteflash::sm80

@@ -34,6 +34,19 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
   dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
   kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
   check_cuda(cudaGetLastError(), "launching the sm80 backward kernel");
+
+  if (p.deterministic) {
+    using DqT = DqTraits<Element, kHeadDim>;
+    auto dq_kernel = &bwd_dq_kernel<DqT>;
+    constexpr int dq_smem = 2 * (DqT::kBlockM + DqT::kBlockN) * kHeadDim * int(sizeof(Element));
+    if (dq_smem > 48 * 1024) {
+      check_cuda(cudaFuncSetAttribute(dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dq_smem),
+                 "setting the dQ kernel's shared-memory size");
+    }
+    dim3 grid_dq(ceil_div(p.seqlen_q, DqT::kBlockM), p.nheads, p.batch);
+    dq_kernel<<<grid_dq, DqT::kNThreads, dq_smem, stream>>>(p);
+    check_cuda(cudaGetLastError(), "launching the sm80 deterministic dQ kernel");
+  }
 }
 
 }  // namespace cuteflash::sm80
