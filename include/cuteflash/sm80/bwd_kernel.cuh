@@ -55,6 +55,34 @@ __device__ __forceinline__ void store_tile(Acc const& acc, Coord const& coord, E
   }
 }
 
+// In place on (rows, cols) views: s becomes P = exp(scale S - lse) and dp becomes dS = P (dP - D).
+// lse_log2 is lse * log2(e) per row (+inf for rows past seqlen_q: P = 0), d the rows' D.
+template <typename STensor, typename DPTensor, int kRows>
+__device__ __forceinline__ void softmax_backward(STensor& s, DPTensor& dp, float const (&lse_log2)[kRows],
+                                                 float const (&d)[kRows], float scale_log2) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(s); ++ni) {
+      float prob = exp2_approx(s(mi, ni) * scale_log2 - lse_log2[mi]);
+      s(mi, ni) = prob;
+      dp(mi, ni) = prob * (dp(mi, ni) - d[mi]);
+    }
+  }
+}
+
+// lse * log2(e) and D of the rows this thread holds (coord: (row, col) in the tile's (rows, cols) view).
+template <typename Coord, int kRows>
+__device__ __forceinline__ void load_row_stats(BwdParams const& p, int64_t row_stats, int row0, Coord const& coord,
+                                               float (&lse_log2)[kRows], float (&d)[kRows]) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    int row = row0 + get<0>(coord(mi, 0));
+    lse_log2[mi] = row < p.seqlen_q ? p.lse[row_stats + row] * 1.4426950408889634f : INFINITY;
+    d[mi] = row < p.seqlen_q ? p.d_rowsum[row_stats + row] : 0.f;
+  }
+}
+
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams p) {
   using Element = typename Traits::Element;
@@ -96,8 +124,6 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
                                             head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride)(_, _, n_block);
   // gK, gV: (kBlockN, kHeadDim)
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
-  float const* lse = p.lse + row_stats;
-  float const* d_rowsum = p.d_rowsum + row_stats;
   float* dq_accum = p.dq_accum + batch * p.dq_accum_batch_stride + head * p.dq_accum_head_stride;
 
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});      // (kBlockM, kHeadDim)
@@ -189,7 +215,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   Tensor tdQsKt = thr_b_dq.partition_S(sKt);
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
 
-  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   // One loop with a uniform branch for the mask, not a lambda instantiated twice as in the forward
   // kernel: at head dim 256 nvcc did not inline such a lambda, and every fragment it captured went to
   // local memory (4960-byte stack frame).
@@ -204,24 +230,15 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
     gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
 
-    // P = exp(scale S - lse) and dS = P (dP - D), in place. Rows past seqlen_q get lse = +inf: P = 0.
+    // P and dS, in place. Rows past seqlen_q get lse = +inf: P = 0.
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));    // (rows, cols)
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));  // (rows, cols)
     if (m_block < m_block_first_unmasked) {
       apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
     }
-    CUTE_UNROLL
-    for (int mi = 0; mi < size<0>(s); ++mi) {
-      int row = m_block * kBlockM + get<0>(tScS_rc(mi, 0));
-      float lse_log2 = row < p.seqlen_q ? lse[row] * kLog2e : INFINITY;
-      float d = row < p.seqlen_q ? d_rowsum[row] : 0.f;
-      CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(s); ++ni) {
-        float prob = exp2_approx(s(mi, ni) * p.softmax_scale_log2 - lse_log2);
-        s(mi, ni) = prob;
-        dp(mi, ni) = prob * (dp(mi, ni) - d);
-      }
-    }
+    float lse_log2[kRows], d[kRows];
+    load_row_stats(p, row_stats, m_block * kBlockM, tScS_rc, lse_log2, d);
+    softmax_backward(s, dp, lse_log2, d, p.softmax_scale_log2);
     copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_s)), tPsP);
     copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_dp)), tdSsdS);
     __syncthreads();  // P and dS are in shared memory
@@ -269,17 +286,19 @@ template <typename Element, int kHeadDim>
 using DqTraits = FwdTraits<Element, kHeadDim, 64, 64, 4>;
 
 template <typename Traits>
+struct DqSharedStorage {
+  array_aligned<typename Traits::Element, cosize_v<typename Traits::SmemLayoutQ>> q, dout;
+  array_aligned<typename Traits::Element, cosize_v<typename Traits::SmemLayoutKV>> k, v;
+};
+
+template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
-  struct SharedStorage {
-    array_aligned<Element, cosize_v<typename Traits::SmemLayoutQ>> q, dout;
-    array_aligned<Element, cosize_v<typename Traits::SmemLayoutKV>> k, v;
-  };
   extern __shared__ __align__(128) char smem_raw[];
-  auto& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+  auto& smem = *reinterpret_cast<DqSharedStorage<Traits>*>(smem_raw);
 
   const int m_block = blockIdx.x;
   const int head = blockIdx.y;
@@ -339,15 +358,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
-  constexpr float kLog2e = 1.4426950408889634f;
   float lse_log2[kRows], d_row[kRows];
-  const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
-  CUTE_UNROLL
-  for (int mi = 0; mi < kRows; ++mi) {
-    int row = m_block * kBlockM + get<0>(tScS_rc(mi, 0));
-    lse_log2[mi] = row < p.seqlen_q ? p.lse[row_stats + row] * kLog2e : INFINITY;
-    d_row[mi] = row < p.seqlen_q ? p.d_rowsum[row_stats + row] : 0.f;
-  }
+  load_row_stats(p, (int64_t(batch) * p.nheads + head) * p.seqlen_q, m_block * kBlockM, tScS_rc, lse_log2, d_row);
 
   const KeyRange<kBlockM, kBlockN> keys(p, m_block);
   for (int n_block = keys.n_block_max - 1; n_block >= 0; --n_block) {
@@ -370,14 +382,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
     if (n_block >= keys.n_block_first_masked) {
       apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
     }
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(s); ++ni) {
-        float prob = exp2_approx(s(mi, ni) * p.softmax_scale_log2 - lse_log2[mi]);
-        dp(mi, ni) = prob * (dp(mi, ni) - d_row[mi]);  // dS
-      }
-    }
+    softmax_backward(s, dp, lse_log2, d_row, p.softmax_scale_log2);
     Tensor rdS = convert_fragment<Element>(acc_dp);
     Tensor tdQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));  // (MMA, MMA_M, MMA_K over keys)
     gemm_rs(acc_dq, tdQrdS, tdQrKt, tdQsKt, tiled_mma, copy_bt, thr_bt);
