@@ -11,23 +11,36 @@ from cuteflash import bench
 
 def test_defaults_and_flags():
     a = bench.parse_args([])
-    assert (a.dtype, a.causal, a.forward_only, a.backend, a.layout, a.deterministic) == (
-        None, None, False, "auto", "native", False)
+    assert (a.suite, a.dtype, a.causal, a.forward_only, a.backend, a.layout, a.deterministic, a.plot) == (
+        "default", None, None, False, "auto", "native", False, None)
     a = bench.parse_args(["--dtype", "bf16", "--no-causal", "--headdim", "64", "--headdim", "128", "--seqlen",
                           "4096", "--batch", "2", "--heads", "8", "--forward-only", "--backend", "sm80", "--json",
-                          "x.json", "--csv", "x.csv", "--quick", "--layout", "bshd", "--deterministic"])
+                          "x.json", "--csv", "x.csv", "--quick", "--layout", "bshd", "--deterministic", "--plot",
+                          "x.png", "--suite", "baselines"])
     assert a.dtype == ["bf16"] and a.causal is False and a.headdim == [64, 128] and a.seqlen == [4096]
-    assert (a.batch, a.heads, a.forward_only, a.backend, a.json, a.csv, a.quick) == (2, 8, True, "sm80", "x.json",
-                                                                                      "x.csv", True)
+    assert (a.batch, a.heads, a.forward_only, a.backend, a.json, a.csv, a.quick, a.plot, a.suite) == (
+        2, 8, True, "sm80", "x.json", "x.csv", True, "x.png", "baselines")
     with pytest.raises(SystemExit):
         bench.parse_args(["--dtype", "fp32"])
 
 
-def test_default_suite_covers_dtypes_and_masks():
+def test_default_suite_covers_sizes_dtypes_and_masks():
     cases = bench.build_cases(bench.parse_args([]), bf16_ok=True)
     assert {c.dtype for c in cases} == {"fp16", "bf16"} and {c.causal for c in cases} == {False, True}
-    assert {(c.batch, c.heads, c.seqlen_q, c.head_dim) for c in cases} == set(bench.BASELINE_SHAPES)
+    shapes = {(c.batch, c.heads, c.seqlen_q, c.head_dim) for c in cases}
+    assert shapes == set(bench.SUITES["default"])
+    assert min(c.seqlen_q for c in cases) <= 16 and max(c.seqlen_q for c in cases) >= 4096
+    assert {16, 64, 128, 256} <= {c.head_dim for c in cases}
     assert {c.dtype for c in bench.build_cases(bench.parse_args([]), bf16_ok=False)} == {"fp16"}
+    baselines = bench.build_cases(bench.parse_args(["--suite", "baselines"]), bf16_ok=True)
+    assert {(c.batch, c.heads, c.seqlen_q, c.head_dim) for c in baselines} == set(bench.SUITES["baselines"])
+
+
+def test_cases_limited_to_compiled_head_dims():
+    cases = bench.build_cases(bench.parse_args([]), bf16_ok=True, head_dims_ok=[64, 128])
+    assert {c.head_dim for c in cases} == {64, 128}  # 16 needs the 32 kernel, 256 the 256 one
+    assert bench.kernel_head_dim(59, [64]) == 64 and bench.kernel_head_dim(40, [32, 64]) == 64
+    assert bench.kernel_head_dim(16, [64]) is None
 
 
 def test_chosen_shapes():
@@ -42,27 +55,65 @@ def test_flop_counts():
     case = bench.Case(2, 4, 128, 256, 64, False, "fp16")
     assert case.flops("fwd") == 4 * 2 * 4 * 128 * 256 * 64
     assert case.flops("bwd") == 2.5 * case.flops("fwd")
-    causal = bench.Case(2, 4, 128, 256, 64, True, "fp16")
-    assert causal.flops("fwd") == case.flops("fwd") / 2
+    assert bench.Case(2, 4, 128, 256, 64, True, "fp16").flops("fwd") == case.flops("fwd") / 2
+
+
+def fake_result():
+    r = bench.Result(bench.Case(1, 2, 64, 64, 64, True, "fp16"), correct=True)
+    r.max_err, r.pytorch_err = {"out": 1e-3}, {"out": 2e-3}
+    r.peak_mib = {"cuteflash": 10.0, "math": 80.0}
+    r.ms = {"fwd": {"cuteflash": 1.0, "flash": 2.0, "cudnn": None, "efficient": 3.0, "math": 8.0},
+            "bwd": {"cuteflash": 2.0, "flash": 3.0, "cudnn": None, "efficient": 4.0, "math": 10.0}}
+    r.tflops = {d: {n: (1.0 / t if t else None) for n, t in ms.items()} for d, ms in r.ms.items()}
+    return r
+
+
+def test_speedups_and_verdict():
+    r = fake_result()
+    assert r.speedup("fwd", "math") == 8.0 and r.speedup("fwd", "best") == 2.0
+    assert r.speedup("total", "best") == 5.0 / 3.0 and r.speedup("bwd", "math") == 5.0
+    assert r.best_backend() == "flash"
+    v = bench.verdict([r])
+    assert v.startswith("verdict: CORRECT") and "8x less memory" in v
+    assert "1 INCORRECT" in bench.verdict([bench.Result(r.case, correct=False)])
+
+
+def test_tables():
+    rows = bench.summary_table([fake_result()])
+    assert rows[1][1] == "ok" and rows[1][2] == "8.0x less" and rows[1][3] == "8.00x" and rows[1][-1] == "flash"
+    text = bench.format_rows("t", bench.tflops_table([fake_result()]))
+    assert "cuteflash" in text and "math" in text and text.count("\n") == 4
 
 
 def test_json_and_csv_outputs(tmp_path):
-    r = bench.Result(bench.Case(1, 2, 64, 64, 64, True, "fp16"), correct=True, max_err=1e-3, pytorch_err=2e-3)
-    r.ms = {"fwd": {"cuteflash": 1.0, "flash": 2.0, "cudnn": None, "efficient": 3.0}}
-    r.tflops = {"fwd": {"cuteflash": 10.0, "flash": 5.0, "cudnn": None, "efficient": 3.3}}
     args = bench.parse_args(["--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv")])
-    bench.write_outputs([r], args, {"name": "GPU"})
+    bench.write_outputs([fake_result()], args, {"name": "GPU"})
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["device"] == {"name": "GPU"}
-    assert data["results"][0]["case"]["head_dim"] == 64 and data["results"][0]["tflops"]["fwd"]["cuteflash"] == 10.0
+    result = data["results"][0]
+    assert result["case"]["head_dim"] == 64 and result["tflops"]["fwd"]["cuteflash"] == 1.0
+    assert result["peak_mib"] == {"cuteflash": 10.0, "math": 80.0} and result["max_err"] == {"out": 1e-3}
     rows = list(csv.DictReader((tmp_path / "r.csv").open()))
-    assert rows[0]["cuteflash_fwd_tflops"] == "10.0" and rows[0]["cudnn_fwd_tflops"] == ""
-    assert rows[0]["cuteflash_bwd_tflops"] == "" and rows[0]["correct"] == "True"
-    table = bench.format_table([r])
-    assert "forward TFLOP/s" in table and "2.00" in table and "backward" not in table
+    assert rows[0]["cuteflash_fwd_tflops"] == "1.0" and rows[0]["cudnn_fwd_tflops"] == ""
+    assert rows[0]["math_peak_mib"] == "80.0" and rows[0]["correct"] == "True"
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    bench.plot([fake_result()], str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_no_gpu_exits_with_status_2(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--quick"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_quick_suite_on_the_gpu(tmp_path, capsys):
+    assert bench.main(["--quick", "--repeats", "3", "--json", str(tmp_path / "r.json")]) == 0
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert results and all(r["correct"] for r in results)
+    assert all(r["tflops"]["fwd"]["cuteflash"] > 0 and r["tflops"]["bwd"]["cuteflash"] > 0 for r in results)
+    assert "verdict: CORRECT" in capsys.readouterr().out

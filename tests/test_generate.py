@@ -59,3 +59,6 @@ def test_head_dims_match_tile_config():
     header = (ROOT / "include" / "cuteflash" / "tile_config.h").read_text()
     listed = re.search(r"kHeadDims\[\] = \{([^}]*)\}", header).group(1)
     assert tuple(int(x) for x in listed.split(",")) == gen.HEAD_DIMS
+    from cuteflash._lib import KERNEL_HEAD_DIMS
+
+    assert KERNEL_HEAD_DIMS == gen.HEAD_DIMS

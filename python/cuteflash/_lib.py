@@ -17,6 +17,8 @@ except ImportError as e:  # a source checkout, or a build for another Python
     _C_ERROR = e
 
 BACKEND_ENV = "CUTEFLASH_BACKEND"
+# Head dims with a kernel (kHeadDims in include/cuteflash/tile_config.h); others run the next larger one.
+KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 _KERNEL_NAME = re.compile(r"run_(?P<direction>\w+?)_(?P<family>sm\d+)_(?P<dtype>\w+?)_hd(?P<head_dim>\d+)$")
 _DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16"}
 

@@ -1,10 +1,11 @@
-"""python -m cuteflash.bench: does cuteflash work on this GPU, is it correct, and how fast is it
-next to PyTorch's attention backends?
+"""python -m cuteflash.bench: does cuteflash work on this GPU, is it correct, and how much memory and
+time does it save over what PyTorch offers?
 
-Each case is checked against a float64 reference (error at most 2x PyTorch's own in the input dtype)
-and timed beside PyTorch's SDPA backends (flash, cuDNN, memory-efficient) and plain PyTorch attention,
-in the same run. TFLOP/s follow FlashAttention's convention: 4 * batch * heads * seqlen_q * seqlen_k *
-headdim for the forward pass, halved when causal.
+Each case is checked against a float64 reference (forward and backward: error at most 2x PyTorch's own
+in the input dtype), its peak memory is compared with plain PyTorch attention (softmax(QK^T)V, SDPA's
+math backend), and it is timed beside PyTorch's SDPA backends (flash, cuDNN, memory-efficient, math) in
+the same run. TFLOP/s follow FlashAttention's count: 4 * batch * heads * seqlen_q * seqlen_k * headdim
+for the forward pass, halved when causal, and 2.5 times that for the backward pass.
 """
 
 from __future__ import annotations
@@ -16,10 +17,19 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field
 
-# The shapes of shared/baselines-h200.md: (batch, heads, seqlen, headdim).
-BASELINE_SHAPES = [(16, 16, 1024, 64), (8, 16, 2048, 64), (4, 16, 4096, 128), (2, 16, 8192, 128), (1, 32, 4096, 256)]
-QUICK_SHAPES = [(4, 16, 1024, 64), (2, 16, 2048, 128)]
-SDPA_BACKENDS = ("flash", "cudnn", "efficient")
+# (batch, heads, seqlen, headdim)
+SUITES = {
+    # small, medium, large, and very large head dims
+    "default": [(1, 1, 16, 16), (1, 1, 128, 64), (1, 1, 256, 256), (1, 16, 1024, 64), (1, 32, 1024, 128),
+                (1, 32, 2048, 128), (1, 32, 4096, 128), (1, 16, 1024, 256), (1, 32, 4096, 256)],
+    # the shapes of the peer figures measured on the H200 (shared/baselines-h200.md)
+    "baselines": [(16, 16, 1024, 64), (8, 16, 2048, 64), (4, 16, 4096, 128), (2, 16, 8192, 128), (1, 32, 4096, 256)],
+}
+QUICK_SHAPES = [(1, 4, 256, 64), (1, 16, 1024, 128)]
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")  # math: plain PyTorch attention
+FAST_SDPA = SDPA_BACKENDS[:3]
+IMPLS = ("cuteflash",) + SDPA_BACKENDS
+DIRECTIONS = ("fwd", "bwd")
 
 
 @dataclass
@@ -41,17 +51,40 @@ class Case:
 @dataclass
 class Result:
     case: Case
-    correct: bool | None = None
-    max_err: float | None = None
-    pytorch_err: float | None = None
-    ms: dict = field(default_factory=dict)  # "fwd"/"bwd" -> implementation -> milliseconds (None: unavailable)
+    correct: bool | None = None  # forward and (unless --forward-only) backward within the 2x rule
+    max_err: dict = field(default_factory=dict)  # out/dq/dk/dv -> cuteflash's max error vs float64
+    pytorch_err: dict = field(default_factory=dict)  # the same for PyTorch in the input dtype
+    peak_mib: dict = field(default_factory=dict)  # cuteflash / math -> peak extra MiB of fwd(+bwd)
+    ms: dict = field(default_factory=dict)  # fwd/bwd -> implementation -> milliseconds (None: did not run)
     tflops: dict = field(default_factory=dict)  # the same, in TFLOP/s
     note: str = ""
+
+    def speedup(self, direction: str, over: str) -> float | None:
+        """How many times faster cuteflash is than `over` ('math', or 'best' of the fast SDPA backends);
+        direction 'total' is forward plus backward."""
+        def ms(impl, d):
+            return self.ms.get(d, {}).get(impl)
+
+        dirs = DIRECTIONS if direction == "total" else (direction,)
+        ours = [ms("cuteflash", d) for d in dirs]
+        if None in ours:
+            return None
+        if over == "best":
+            totals = [sum(ms(b, d) for d in dirs) for b in FAST_SDPA if all(ms(b, d) for d in dirs)]
+            theirs = min(totals) if totals else None
+        else:
+            theirs = sum(ms(over, d) for d in dirs) if all(ms(over, d) for d in dirs) else None
+        return theirs / sum(ours) if theirs else None
+
+    def best_backend(self) -> str | None:
+        fwd = {b: t for b, t in self.ms.get("fwd", {}).items() if b in FAST_SDPA and t}
+        return min(fwd, key=fwd.get) if fwd else None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cuteflash.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=list(SUITES), default="default", help="the shapes to run (default: %(default)s)")
     p.add_argument("--dtype", choices=["fp16", "bf16"], action="append",
                    help="repeatable; default fp16 (and bf16 where the GPU has it)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
@@ -60,33 +93,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seqlen", type=int, action="append", help="repeatable; default: the suite's")
     p.add_argument("--batch", type=int, help="default: the suite's")
     p.add_argument("--heads", type=int, help="default: the suite's")
-    p.add_argument("--forward-only", action="store_true", help="time the forward pass only")
+    p.add_argument("--forward-only", action="store_true", help="check and time the forward pass only")
     p.add_argument("--deterministic", action="store_true",
-                   help="cuteflash's deterministic backward pass (dQ without atomics; slower)")
+                   help="cuteflash's deterministic backward pass (dQ without atomics)")
     p.add_argument("--backend", choices=["auto", "sm70", "sm80"], default="auto", help="cuteflash kernel family")
     p.add_argument("--layout", choices=["native", "bshd", "bhsd"], default="native",
                    help="memory of the inputs: native (cuteflash reads contiguous (b, s, h, d) as flash-attn, "
                         "SDPA contiguous (b, h, s, d)), or the same memory for all: bshd or bhsd")
-    p.add_argument("--repeats", type=int, default=30, help="timed runs per measurement (median reported)")
-    p.add_argument("--quick", action="store_true", help="two small shapes, fp16, for a smoke test")
+    p.add_argument("--repeats", type=int, default=30, help="timed batches per measurement (median reported)")
+    p.add_argument("--quick", action="store_true", help="two small shapes, fp16: a smoke test")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--csv", metavar="PATH", help="write the results as CSV")
-    p.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    p.add_argument("--plot", metavar="PATH", help="PNG of TFLOP/s against seqlen per implementation (matplotlib)")
     return p.parse_args(argv)
 
 
-def build_cases(args, bf16_ok: bool) -> list[Case]:
+def kernel_head_dim(head_dim: int, compiled) -> int | None:
+    """The kernel head dim that serves head_dim (the next compiled one after padding to 8), if any."""
+    from ._lib import KERNEL_HEAD_DIMS
+
+    padded = -(-head_dim // 8) * 8
+    serving = next((hd for hd in KERNEL_HEAD_DIMS if hd >= padded), None)
+    return serving if serving in compiled else None
+
+
+def build_cases(args, bf16_ok: bool, head_dims_ok=None) -> list[Case]:
+    """The cases to run; head_dims_ok (kernel head dims compiled in) drops shapes the build cannot serve."""
     dtypes = args.dtype or (["fp16"] if args.quick or not bf16_ok else ["fp16", "bf16"])
     causals = [args.causal] if args.causal is not None else [False, True]
-    shapes = QUICK_SHAPES if args.quick else BASELINE_SHAPES
+    shapes = QUICK_SHAPES if args.quick else SUITES[args.suite]
     if args.headdim or args.seqlen or args.batch or args.heads:
         head_dims = args.headdim or sorted({s[3] for s in shapes})
         seqlens = args.seqlen or sorted({s[2] for s in shapes})
-        shapes = []
-        for s in seqlens:
-            for d in head_dims:
-                batch = args.batch or max(1, 16384 // s)
-                shapes.append((batch, args.heads or (32 if d >= 256 else 16), s, d))
+        shapes = [(args.batch or max(1, 16384 // s), args.heads or (32 if d >= 256 else 16), s, d)
+                  for s in seqlens for d in head_dims]
+    if head_dims_ok is not None:
+        shapes = [s for s in shapes if kernel_head_dim(s[3], head_dims_ok)]
     return [Case(b, h, s, s, d, c, dt) for dt in dtypes for (b, h, s, d) in shapes for c in causals]
 
 
@@ -130,13 +173,75 @@ def _backward_call(fwd, qkv):
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
 
-def run_case(case: Case, args) -> Result:
-    import torch
+def _implementations(case: Case, args):
+    """name -> (context factory, forward function taking that implementation's (q, k, v) layout)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from . import flash_attn_func
+
+    def cuteflash_fwd(q, k, v):
+        return flash_attn_func(q, k, v, causal=case.causal, deterministic=args.deterministic)
+
+    def sdpa_fwd(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    impls = {"cuteflash": (contextlib.nullcontext, cuteflash_fwd)}
+    impls.update({name: (lambda b=b: sdpa_kernel(b), sdpa_fwd) for name, b in backends.items()})
+    return impls
+
+
+def _check(case: Case, q, k, v, args, res: Result) -> None:
+    """The 2x rule on a slice of the heads (the float64 reference holds the whole score matrix)."""
+    import torch
+
+    from . import flash_attn_func
     from .reference import attention_ref
+
+    dtype = q.dtype
+    heads = slice(0, min(2, case.heads))
+    qs, ks, vs = (t[:1, :, heads].detach() for t in (q, k, v))
+    dout = torch.randn_like(qs)
+    outputs = {}
+    for name, compute in (("ref", torch.float64), ("pytorch", dtype)):
+        leaves = [t.to(compute).requires_grad_(not args.forward_only) for t in (qs, ks, vs)]
+        out, _ = attention_ref(*leaves, causal=case.causal, compute_dtype=compute)
+        grads = [] if args.forward_only else torch.autograd.grad(out, leaves, dout.to(compute))
+        outputs[name] = [out.detach(), *grads]
+        del out, leaves
+    leaves = [t.clone().requires_grad_(not args.forward_only) for t in (qs, ks, vs)]
+    out = flash_attn_func(*leaves, causal=case.causal, deterministic=args.deterministic)
+    grads = [] if args.forward_only else torch.autograd.grad(out, leaves, dout)
+    ok = True
+    for name, mine, ref, pt in zip(("out", "dq", "dk", "dv"), [out.detach(), *grads], outputs["ref"],
+                                   outputs["pytorch"]):
+        res.max_err[name] = (mine.double() - ref).abs().max().item()
+        res.pytorch_err[name] = (pt.double() - ref).abs().max().item()
+        ok = ok and res.max_err[name] <= 2 * res.pytorch_err[name] + 1e-5
+    res.correct = bool(ok)
+
+
+def _peak_mib(fwd, qkv, backward: bool) -> float:
+    """Peak memory beyond the inputs of one forward (and backward) pass, in MiB."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    leaves = [t.detach().requires_grad_(backward) for t in qkv]
+    out = fwd(*leaves)
+    if backward:
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+    del out, leaves
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def run_case(case: Case, args) -> Result:
+    import torch
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
     res = Result(case)
@@ -147,46 +252,38 @@ def run_case(case: Case, args) -> Result:
     n_sets = max(1, min(8, math.ceil(3 * l2 / bytes_per_set)))
     sets = [tuple(torch.randn(s, device="cuda", dtype=dtype) for s in (shape_q, shape_k, shape_k))
             for _ in range(n_sets)]
-    q, k, v = sets[0]
+    # cuteflash takes (b, s, h, d) views and SDPA (b, h, s, d) views; `layout` says which memory is
+    # contiguous under them (native: each its own).
+    sets_t = [tuple(t.transpose(1, 2) for t in qkv) for qkv in sets]
+    if args.layout in ("native", "bhsd"):
+        sets_t = [tuple(t.contiguous() for t in qkv) for qkv in sets_t]
+    if args.layout == "bhsd":
+        sets = [tuple(t.transpose(1, 2) for t in qkv) for qkv in sets_t]
 
     if not args.no_check:
-        # A slice of the heads keeps the float64 reference small.
-        hs = slice(0, min(2, case.heads))
-        qs, ks, vs = q[:1, :, hs], k[:1, :, hs], v[:1, :, hs]
         try:
-            ref, _ = attention_ref(qs, ks, vs, causal=case.causal)
-            pt, _ = attention_ref(qs, ks, vs, causal=case.causal, compute_dtype=dtype)
-            out = flash_attn_func(qs, ks, vs, causal=case.causal)
-            res.max_err = (out.double() - ref).abs().max().item()
-            res.pytorch_err = (pt.double() - ref).abs().max().item()
-            res.correct = bool(res.max_err <= 2 * res.pytorch_err + 1e-5)
-            del ref, pt, out
+            _check(case, *sets[0], args, res)
         except torch.cuda.OutOfMemoryError:
             res.note = "reference out of memory: not checked"
         torch.cuda.empty_cache()
 
-    # cuteflash takes (b, s, h, d) views and SDPA (b, h, s, d) views; `layout` says which memory is
-    # contiguous under them (native: each its own).
-    sets_t = [tuple(t.transpose(1, 2) for t in qkv) for qkv in sets]
-    if args.layout == "native":
-        sets_t = [tuple(t.contiguous() for t in qkv) for qkv in sets_t]
-    elif args.layout == "bhsd":
-        sets_t = [tuple(t.contiguous() for t in qkv) for qkv in sets_t]
-        sets = [tuple(t.transpose(1, 2) for t in qkv) for qkv in sets_t]
-    def cuteflash_fwd(q, k, v):
-        return flash_attn_func(q, k, v, causal=case.causal, deterministic=args.deterministic)
+    impls = _implementations(case, args)
+    backward = not args.forward_only
+    for name in ("cuteflash", "math"):
+        context, fwd = impls[name]
+        try:
+            with context():
+                res.peak_mib[name] = _peak_mib(fwd, (sets if name == "cuteflash" else sets_t)[0], backward)
+        except torch.cuda.OutOfMemoryError:
+            res.peak_mib[name] = None
+            res.note = (res.note + "; " if res.note else "") + f"{name} out of memory"
+        torch.cuda.empty_cache()
 
-    def sdpa_fwd(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
-
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION}
-    impls = {"cuteflash": (contextlib.nullcontext, cuteflash_fwd, sets)}
-    impls.update({name: (lambda b=b: sdpa_kernel(b), sdpa_fwd, sets_t) for name, b in backends.items()})
-    directions = ["fwd"] if args.forward_only else ["fwd", "bwd"]
-    for direction in directions:
+    for direction in DIRECTIONS[:1] if args.forward_only else DIRECTIONS:
         res.ms[direction], res.tflops[direction] = {}, {}
-        for name, (context, fwd, inputs) in impls.items():
+        for name, (context, fwd) in impls.items():
+            inputs = sets if name == "cuteflash" else sets_t
+            fns = []
             try:
                 with context():
                     fns = [(lambda qkv=qkv: fwd(*qkv)) if direction == "fwd" else _backward_call(fwd, qkv)
@@ -203,24 +300,100 @@ def run_case(case: Case, args) -> Result:
     return res
 
 
-def format_table(results: list[Result]) -> str:
-    impls = ["cuteflash", *SDPA_BACKENDS]
-    lines = []
-    for direction in ("fwd", "bwd"):
-        rows = [r for r in results if r.tflops.get(direction)]
-        if not rows:
-            continue
-        header = (f"{'dtype':5} {'B':>3} {'H':>3} {'S':>6} {'D':>4} {'causal':6} "
-                  + " ".join(f"{n:>10}" for n in impls) + f" {'vs flash':>8} {'check':>6}")
-        lines += ["", f"{'forward' if direction == 'fwd' else 'backward'} TFLOP/s", header, "-" * len(header)]
-        for r in rows:
-            c, t = r.case, r.tflops[direction]
-            cells = " ".join(f"{t[n]:10.1f}" if t.get(n) else f"{'-':>10}" for n in impls)
-            ratio = t["cuteflash"] / t["flash"] if t.get("flash") else float("nan")
-            check = {True: "ok", False: "FAIL", None: "-"}[r.correct]
-            lines.append(f"{c.dtype:5} {c.batch:3} {c.heads:3} {c.seqlen_q:6} {c.head_dim:4} {str(c.causal):6} "
-                         f"{cells} {ratio:8.2f} {check:>6}")
+def _shape(c: Case) -> str:
+    return f"{c.dtype} {c.batch}x{c.heads}x{c.seqlen_q}x{c.head_dim}{' causal' if c.causal else ''}"
+
+
+def _x(v: float | None) -> str:
+    return f"{v:.2f}x" if v else "-"
+
+
+def tflops_table(results: list[Result]) -> list[list[str]]:
+    """Rows of TFLOP/s per implementation and direction (the first row is the header)."""
+    rows = [["case", "pass"] + list(IMPLS)]
+    for r in results:
+        for d in DIRECTIONS:
+            t = r.tflops.get(d)
+            if t:
+                rows.append([_shape(r.case), d] + [f"{t[n]:.1f}" if t.get(n) else "-" for n in IMPLS])
+    return rows
+
+
+def summary_table(results: list[Result]) -> list[list[str]]:
+    rows = [["case", "check", "memory vs PyTorch", "fwd vs PyTorch", "fwd vs best SDPA", "bwd vs PyTorch",
+             "bwd vs best SDPA", "total vs best SDPA", "best SDPA"]]
+    for r in results:
+        mem = r.peak_mib
+        saving = f"{mem['math'] / mem['cuteflash']:.1f}x less" if mem.get("math") and mem.get("cuteflash") else "-"
+        check = {True: "ok", False: "FAIL", None: "-"}[r.correct]
+        rows.append([_shape(r.case), check, saving, _x(r.speedup("fwd", "math")), _x(r.speedup("fwd", "best")),
+                     _x(r.speedup("bwd", "math")), _x(r.speedup("bwd", "best")), _x(r.speedup("total", "best")),
+                     r.best_backend() or "-"])
+    return rows
+
+
+def format_rows(title: str, rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [title] + ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(2, "-" * len(lines[1]))
     return "\n".join(lines)
+
+
+def print_tables(results: list[Result]) -> None:
+    tables = [("TFLOP/s (math: plain PyTorch attention)", tflops_table(results)),
+              ("cuteflash against PyTorch (speedups: times faster)", summary_table(results))]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        for title, rows in tables:
+            print("\n" + format_rows(title, rows))
+        return
+    console = Console()
+    for title, rows in tables:
+        table = Table(title=title)
+        for name in rows[0]:
+            table.add_column(name, justify="right")
+        for row in rows[1:]:
+            table.add_row(*row)
+        console.print(table)
+
+
+def verdict(results: list[Result]) -> str:
+    failed = sum(r.correct is False for r in results)
+    parts = ["CORRECT" if not failed else f"{failed} INCORRECT"]
+    for d in DIRECTIONS:
+        ratios = [r.tflops[d]["cuteflash"] / r.tflops[d]["flash"] for r in results if r.tflops.get(d, {}).get("flash")]
+        if ratios:
+            geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            parts.append(f"{'forward' if d == 'fwd' else 'backward'} {geo:.2f}x PyTorch's flash backend")
+    savings = [r.peak_mib["math"] / r.peak_mib["cuteflash"] for r in results
+               if r.peak_mib.get("math") and r.peak_mib.get("cuteflash")]
+    if savings:
+        parts.append(f"up to {max(savings):.0f}x less memory than plain PyTorch")
+    return "verdict: " + "; ".join(parts) + " (geometric means)"
+
+
+def plot(results: list[Result], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directions = [d for d in DIRECTIONS if any(r.tflops.get(d) for r in results)]
+    fig, axes = plt.subplots(1, len(directions), figsize=(6 * len(directions), 4.5), squeeze=False)
+    for ax, d in zip(axes[0], directions):
+        for impl in IMPLS:
+            points = sorted((r.case.seqlen_q, r.tflops[d][impl]) for r in results if r.tflops.get(d, {}).get(impl))
+            if points:
+                ax.plot(*zip(*points), "o", label=impl, alpha=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title("forward" if d == "fwd" else "backward")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def write_outputs(results: list[Result], args, device: dict) -> None:
@@ -232,18 +405,37 @@ def write_outputs(results: list[Result], args, device: dict) -> None:
 
         with open(args.csv, "w", newline="") as f:
             w = csv.writer(f)
-            impls = ["cuteflash", *SDPA_BACKENDS]
-            w.writerow(["dtype", "batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "causal", "correct", "max_err",
-                        "pytorch_err"] + [f"{n}_{d}_tflops" for d in ("fwd", "bwd") for n in impls])
+            w.writerow(["dtype", "batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "causal", "correct",
+                        "cuteflash_peak_mib", "math_peak_mib"] + [f"{n}_{d}_tflops" for d in DIRECTIONS for n in IMPLS])
             for r in results:
                 c = r.case
                 w.writerow([c.dtype, c.batch, c.heads, c.seqlen_q, c.seqlen_k, c.head_dim, c.causal, r.correct,
-                            r.max_err, r.pytorch_err]
-                           + [r.tflops.get(d, {}).get(n) for d in ("fwd", "bwd") for n in impls])
+                            r.peak_mib.get("cuteflash"), r.peak_mib.get("math")]
+                           + [r.tflops.get(d, {}).get(n) for d in DIRECTIONS for n in IMPLS])
+
+
+def _progress(items, total: int):
+    try:
+        from rich.progress import track
+    except ImportError:
+        track = None
+    if track is not None and sys.stderr.isatty():
+        yield from track(items, total=total, description="benchmarking", transient=True)
+        return
+    for i, item in enumerate(items):
+        c = item
+        print(f"[{i + 1}/{total}] {_shape(c)}", file=sys.stderr, flush=True)
+        yield item
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("cuteflash.bench: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 2
     try:
         import torch
     except ImportError:
@@ -256,37 +448,33 @@ def main(argv=None) -> int:
 
     if args.backend != "auto":
         os.environ["CUTEFLASH_BACKEND"] = args.backend
-    from ._lib import select_family
+    from ._lib import build_info, select_family
 
     try:
         family = select_family(torch.device("cuda"))
     except (RuntimeError, ValueError) as e:
         print(f"cuteflash.bench: {e}", file=sys.stderr)
         return 2
+    built = build_info()["families"][family]
     cc = torch.cuda.get_device_capability()
     device = {"name": torch.cuda.get_device_name(), "capability": f"{cc[0]}.{cc[1]}", "family": family,
               "torch": torch.__version__}
     print(f"{device['name']} (compute capability {device['capability']}), cuteflash {family} kernels, "
           f"torch {torch.__version__}", flush=True)
-    cases = build_cases(args, bf16_ok=family == "sm80")
-    results = []
-    for i, case in enumerate(cases):
-        print(f"[{i + 1}/{len(cases)}] {case.dtype} B={case.batch} H={case.heads} S={case.seqlen_q} "
-              f"D={case.head_dim} causal={case.causal}", file=sys.stderr, flush=True)
-        results.append(run_case(case, args))
-    print(format_table(results))
+    if "bwd" not in built["directions"]:
+        args.forward_only = True
+    cases = build_cases(args, bf16_ok=family == "sm80" and "bfloat16" in built["dtypes"],
+                        head_dims_ok=built["head_dims"])
+    if not cases:
+        print("cuteflash.bench: this build serves none of the requested head dims", file=sys.stderr)
+        return 2
+    results = [run_case(case, args) for case in _progress(cases, len(cases))]
+    print_tables(results)
     write_outputs(results, args, device)
-    failed = [r for r in results if r.correct is False]
-    speed = []
-    for direction in ("fwd", "bwd"):
-        ratios = [r.tflops[direction]["cuteflash"] / r.tflops[direction]["flash"]
-                  for r in results if r.tflops.get(direction, {}).get("flash")]
-        if ratios:
-            geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
-            speed.append(f"{'forward' if direction == 'fwd' else 'backward'} {geo:.2f}x")
-    verdict = "CORRECT" if not failed else f"{len(failed)} INCORRECT"
-    print(f"verdict: {verdict}; speed vs PyTorch's flash backend (geometric mean): {', '.join(speed) or '-'}")
-    return 1 if failed else 0
+    if args.plot:
+        plot(results, args.plot)
+    print(verdict(results))
+    return 1 if any(r.correct is False for r in results) else 0
 
 
 if __name__ == "__main__":
