@@ -320,11 +320,10 @@ def tflops_table(results: list[Result]) -> list[list[str]]:
 
 
 def summary_table(results: list[Result]) -> list[list[str]]:
-    rows = [["case", "check", "memory vs PyTorch", "fwd vs PyTorch", "fwd vs best SDPA", "bwd vs PyTorch",
-             "bwd vs best SDPA", "total vs best SDPA", "best SDPA"]]
+    rows = [["case", "check", "mem /", "fwd xPT", "fwd xSDPA", "bwd xPT", "bwd xSDPA", "total xSDPA", "best SDPA"]]
     for r in results:
         mem = r.peak_mib
-        saving = f"{mem['math'] / mem['cuteflash']:.1f}x less" if mem.get("math") and mem.get("cuteflash") else "-"
+        saving = f"{mem['math'] / mem['cuteflash']:.1f}" if mem.get("math") and mem.get("cuteflash") else "-"
         check = {True: "ok", False: "FAIL", None: "-"}[r.correct]
         rows.append([_shape(r.case), check, saving, _x(r.speedup("fwd", "math")), _x(r.speedup("fwd", "best")),
                      _x(r.speedup("bwd", "math")), _x(r.speedup("bwd", "best")), _x(r.speedup("total", "best")),
@@ -341,11 +340,14 @@ def format_rows(title: str, rows: list[list[str]]) -> str:
 
 def print_tables(results: list[Result]) -> None:
     tables = [("TFLOP/s (math: plain PyTorch attention)", tflops_table(results)),
-              ("cuteflash against PyTorch (speedups: times faster)", summary_table(results))]
+              ("cuteflash against PyTorch. mem /: plain PyTorch's peak memory over cuteflash's; xPT: times "
+               "faster than plain PyTorch; xSDPA: than the fastest SDPA backend", summary_table(results))]
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
+        Console = None
+    if Console is None or not sys.stdout.isatty():  # plain text for logs and pipes
         for title, rows in tables:
             print("\n" + format_rows(title, rows))
         return
@@ -353,7 +355,7 @@ def print_tables(results: list[Result]) -> None:
     for title, rows in tables:
         table = Table(title=title)
         for name in rows[0]:
-            table.add_column(name, justify="right")
+            table.add_column(name, justify="right", no_wrap=True)
         for row in rows[1:]:
             table.add_row(*row)
         console.print(table)
