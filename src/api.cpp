@@ -49,7 +49,7 @@ void set_strides(Strides const& s, int64_t& batch, int64_t& row, int64_t& head) 
 bool fill_fwd_params(FwdParams& p, DType dtype, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse,
                      Strides const& q_strides, Strides const& k_strides, Strides const& v_strides,
                      Strides const& out_strides, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
-                     int head_dim, float softmax_scale, bool causal) {
+                     int head_dim, float softmax_scale, bool causal, bool fp16_correction) {
   require(dtype == DType::kFloat16 || dtype == DType::kBFloat16, "unknown dtype code");
   require(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "sizes must be non-negative");
   require(nheads >= 1 && nheads_k >= 1 && nheads % nheads_k == 0, "nheads must be a multiple of nheads_k");
@@ -82,6 +82,7 @@ bool fill_fwd_params(FwdParams& p, DType dtype, uintptr_t q, uintptr_t k, uintpt
   p.softmax_scale = softmax_scale;
   p.softmax_scale_log2 = softmax_scale * 1.4426950408889634f;  // log2(e)
   p.causal = causal;
+  p.fp16_correction = fp16_correction;
   return true;
 }
 
@@ -102,11 +103,11 @@ Fn require_kernel(Fn launch, Family family, std::string const& family_name, char
 void fwd(std::string const& family_name, int dtype_code, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
          uintptr_t lse, Strides q_strides, Strides k_strides, Strides v_strides, Strides out_strides, int batch,
          int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale, bool causal,
-         uintptr_t stream) {
+         bool fp16_correction, uintptr_t stream) {
   Family family = parse_family(family_name);
   FwdParams p{};
   if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, batch,
-                       nheads, nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, causal)) {
+                       nheads, nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, causal, fp16_correction)) {
     return;
   }
   FwdFn launch = require_kernel(find_fwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family,
@@ -124,7 +125,7 @@ void bwd(std::string const& family_name, int dtype_code, uintptr_t dout, uintptr
   BwdParams p{};
   require(nheads_dkv == nheads || nheads_dkv == nheads_k, "nheads_dkv must be nheads or nheads_k");
   if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, batch,
-                       nheads, nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, causal) ||
+                       nheads, nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, causal, true) ||
       seqlen_k == 0) {
     return;
   }
@@ -178,7 +179,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("fwd", &cuteflash::fwd, py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("out"), py::arg("lse"), py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"),
         py::arg("out_strides"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"),
-        py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"), py::arg("stream"));
+        py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
+        py::arg("fp16_correction"), py::arg("stream"));
   m.def("bwd", &cuteflash::bwd, py::arg("family"), py::arg("dtype"), py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dq_accum"), py::arg("d_rowsum"),
         py::arg("dk"), py::arg("dv"), py::arg("dout_strides"), py::arg("q_strides"), py::arg("k_strides"),

@@ -1,8 +1,22 @@
 """Shared checks for the GPU tests: the 2x-PyTorch error rule and poisoned allocations."""
 
+import pytest
 import torch
 
 from cuteflash.reference import attention_ref
+
+
+def require_support(dtype=None, backward=False) -> None:
+    """Skip, with the reason, what the kernel family serving this GPU does not do (bf16 and the
+    backward pass on sm70, e.g. under CUTEFLASH_BACKEND=sm70)."""
+    from cuteflash._lib import build_info, select_family
+
+    family = select_family(torch.device("cuda"))
+    entry = build_info()["families"][family]
+    if dtype == torch.bfloat16 and "bfloat16" not in entry["dtypes"]:
+        pytest.skip(f"the {family} family has no bf16 kernels")
+    if backward and "bwd" not in entry["directions"]:
+        pytest.skip(f"the {family} family has no backward kernels yet")
 
 
 def poison_cache(*like: torch.Tensor) -> None:

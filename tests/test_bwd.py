@@ -6,10 +6,15 @@ import torch
 
 from cuteflash import flash_attn_func, flash_attn_qkvpacked_func
 from cuteflash.reference import attention_ref
-from helpers import assert_close_2x
+from helpers import assert_close_2x, require_support
 from test_fwd import make_qkv
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_backward_kernels():
+    require_support(backward=True)
 
 DTYPES = [torch.float16, torch.bfloat16]
 HEAD_DIMS = [40, 59, 64, 72, 96, 128, 160, 192, 224, 256]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cuteflash import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
-from helpers import assert_close_2x, poison_cache, references
+from helpers import assert_close_2x, poison_cache, references, require_support
 
 pytestmark = pytest.mark.gpu
 
@@ -14,6 +14,7 @@ SEQLENS = [(1, 1), (17, 17), (113, 203), (203, 113), (1, 1025), (1025, 1), (1000
 
 
 def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, scale=1.0):
+    require_support(dtype)
     g = torch.Generator(device="cuda").manual_seed(torch.randint(0, 2**31, ()).item())
     q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype, generator=g) * scale
     k = torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=dtype, generator=g) * scale
@@ -65,12 +66,14 @@ def test_softmax_scale(causal):
 
 @pytest.mark.parametrize("head_dim", [64, 72])
 def test_qkvpacked_reads_in_place(head_dim):
+    require_support(torch.float16)
     qkv = torch.randn(2, 333, 3, 4, head_dim, device="cuda", dtype=torch.float16)
     q, k, v = qkv.unbind(2)
     run_and_check(q, k, v, True, fn=flash_attn_qkvpacked_func, args=(qkv,))
 
 
 def test_kvpacked():
+    require_support(torch.bfloat16)
     q = torch.randn(2, 100, 6, 128, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(2, 150, 2, 3, 128, device="cuda", dtype=torch.bfloat16)
     run_and_check(q, kv[:, :, 0], kv[:, :, 1], False, fn=flash_attn_kvpacked_func, args=(q, kv))

@@ -92,7 +92,8 @@ def call_c(**overrides):
     C = _lib.compiled_module()
     args = dict(family="sm80", dtype=0, q=256, k=512, v=768, out=1024, lse=2048, q_strides=(64, 64, 64),
                 k_strides=(64, 64, 64), v_strides=(64, 64, 64), out_strides=(64, 64, 64), batch=1, nheads=1,
-                nheads_k=1, seqlen_q=1, seqlen_k=1, head_dim=64, softmax_scale=0.125, causal=False, stream=0)
+                nheads_k=1, seqlen_q=1, seqlen_k=1, head_dim=64, softmax_scale=0.125, causal=False, fp16_correction=True,
+                stream=0)
     args.update(overrides)
     C.fwd(**args)
 

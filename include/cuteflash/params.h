@@ -33,6 +33,7 @@ struct FwdParams {
   float softmax_scale;       // applied to QK^T, 1/sqrt(head_dim) by default
   float softmax_scale_log2;  // softmax_scale * log2(e): the kernels use exp2
   bool causal;               // bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
+  bool fp16_correction;      // sm70: P V as hi V + 2^-11 lo V (error-corrected fp16); false for comparison
 };
 
 // The backward pass: the forward's problem plus dO, the gradients and two fp32 work buffers.

@@ -6,11 +6,14 @@ else about the layout is handled here, so calling the op directly is safe too.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from ._lib import compiled_module, select_family
+from ._lib import build_info, compiled_module, select_family
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
+SM70_CORRECTION_ENV = "CUTEFLASH_SM70_CORRECTION"
 
 
 def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
@@ -37,9 +40,11 @@ def fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if seqlen_k == 0:  # no key at all: every row is empty (and k, v have no memory to point at)
         return out.zero_(), lse.fill_(float("inf"))
+    # sm70: P V in error-corrected fp16 unless CUTEFLASH_SM70_CORRECTION=0 (for comparison).
+    correction = family != "sm70" or os.environ.get(SM70_CORRECTION_ENV, "1") != "0"
     args = (family, _DTYPE_CODES[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             _strides(q), _strides(k), _strides(v), _strides(out), batch, nheads, nheads_k, seqlen_q, seqlen_k,
-            head_dim, softmax_scale, causal, torch.cuda.current_stream(q.device).cuda_stream)
+            head_dim, softmax_scale, causal, correction, torch.cuda.current_stream(q.device).cuda_stream)
     if q.device.index == torch.cuda.current_device():
         compiled_module().fwd(*args)
     else:  # the kernels launch on the current device: make it q's for the call
@@ -77,6 +82,11 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     """Attention backward: dq, dk, dv from dout and what the forward pass saved. With deterministic,
     dQ comes from a second kernel instead of fp32 atomics: bitwise reproducible, and slower."""
     family = select_family(q.device)
+    if "bwd" not in build_info()["families"][family]["directions"]:
+        raise NotImplementedError(
+            f"cuteflash: the {family} family has no backward kernel yet; detach the inputs, or train with "
+            "torch.nn.functional.scaled_dot_product_attention on this GPU"
+        )
     dout, q, k, v, out = (_kernel_operand(t) for t in (dout, q, k, v, out))
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_k, _ = k.shape

@@ -1,0 +1,237 @@
+// sm70 forward kernel (Volta, Turing): WMMA fp16 tensor cores with error-corrected P V.
+//
+// WMMA keeps its accumulators' element-to-thread mapping unspecified, so O cannot be rescaled row by
+// row in registers as the sm80 kernel does. Instead each thread block makes two passes over its keys:
+//   pass 1: S = Q K^T  ->  exact row max m and row sum l (scores staged in a per-warp shared scratch,
+//           where lane 2r and 2r+1 own row r)
+//   pass 2: S = Q K^T again  ->  P = exp(scale (S - m)), split into hi = fp16(P) and
+//           lo = fp16((P - hi) 2^11)  ->  O += hi V + 2^-11 (lo V), all accumulated in fp32
+// and O / l is written at the end. The extra Q K^T costs a third more tensor-core work; the uniform
+// 2^-11 scale of the lo product needs no knowledge of the fragment layout.
+#pragma once
+
+#include <mma.h>
+
+#include "cuteflash/block_info.cuh"
+#include "cuteflash/params.h"
+#include "cuteflash/utils.cuh"
+
+namespace cuteflash::sm70 {
+
+using namespace cute;
+
+template <int kHeadDim_, int kBlockN_>
+struct FwdTraits {
+  using Element = half_t;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;  // 4 warps x 16 query rows
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = 4;
+  static constexpr int kNThreads = kNWarps * 32;
+  static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0);
+
+  // Row-major shared tiles padded by 16 bytes, so that the 16 rows of a WMMA load do not share banks
+  // (WMMA loads take a pointer and a leading dimension: no swizzle).
+  static constexpr int kLdQKV = kHeadDim + 8;  // halves
+  static constexpr int kLdS = kBlockN + 4;     // floats: per-warp S scratch, also O tiles at the end
+  static constexpr int kLdP = kBlockN + 8;     // halves: per-warp P hi / lo
+  using SmemLayoutQ = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
+  using SmemLayoutKV = Layout<Shape<Int<kBlockN>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
+
+  // Global -> shared through registers, 16 bytes per thread (Volta has no cp.async).
+  static constexpr int kThreadsPerRow = kHeadDim % 64 == 0 ? 8 : 4;
+  using GmemTiledCopy = decltype(make_tiled_copy(
+      Copy_Atom<UniversalCopy<uint128_t>, Element>{},
+      Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>{},
+      Layout<Shape<_1, _8>>{}));
+
+  struct SharedStorage {
+    array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    array_aligned<Element, cosize_v<SmemLayoutKV>> k;
+    array_aligned<Element, cosize_v<SmemLayoutKV>> v;
+    array_aligned<float, kNWarps * 16 * kLdS> s;
+    array_aligned<Element, kNWarps * 16 * kLdP> p_hi;
+    array_aligned<Element, kNWarps * 16 * kLdP> p_lo;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+};
+
+using FragA = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half, nvcuda::wmma::row_major>;
+using FragBRow = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half, nvcuda::wmma::row_major>;
+using FragBCol = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half, nvcuda::wmma::col_major>;
+using FragAcc = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>;
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams p) {
+  using namespace nvcuda;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kLd = Traits::kLdQKV;
+  constexpr int kColsPerLane = kBlockN / 2;
+
+  extern __shared__ __align__(128) char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest causal blocks first
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int head_k = head / (p.nheads / p.nheads_k);
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int rows_left = p.seqlen_q - m_block * kBlockM;
+  // The row (of this warp's 16) and the half of the key columns this lane owns in the scratch.
+  const int my_row = lane / 2;
+  const int my_col0 = (lane % 2) * kColsPerLane;
+  const int row_in_block = warp * 16 + my_row;
+  const int q_row = m_block * kBlockM + row_in_block;
+
+  auto gmem_tiles = [&](void const* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride, int hd,
+                        int seqlen, auto rows) {
+    Tensor m = make_tensor(make_gmem_ptr(static_cast<Element const*>(base) + batch * batch_stride + hd * head_stride),
+                           make_shape(seqlen, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+    return local_tile(m, Shape<decltype(rows), Int<kHeadDim>>{}, make_coord(_, 0));  // (rows, kHeadDim, n)
+  };
+  Tensor gQ = gmem_tiles(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, head, p.seqlen_q, Int<kBlockM>{});
+  Tensor gK = gmem_tiles(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, head_k, p.seqlen_k, Int<kBlockN>{});
+  Tensor gV = gmem_tiles(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, head_k, p.seqlen_k, Int<kBlockN>{});
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});   // (kBlockM, kHeadDim)
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
+  float* scratch = smem.s.data() + warp * 16 * Traits::kLdS;           // (16, kBlockN) fp32 of this warp
+  __half* p_hi = reinterpret_cast<__half*>(smem.p_hi.data()) + warp * 16 * Traits::kLdP;
+  __half* p_lo = reinterpret_cast<__half*>(smem.p_lo.data()) + warp * 16 * Traits::kLdP;
+
+  typename Traits::GmemTiledCopy gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor tKgK = gmem_thr.partition_S(gK);  // (CPY, CPY_N, CPY_K, n_blocks)
+  Tensor tVgV = gmem_thr.partition_S(gV);
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+  copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gQ(_, _, m_block)), gmem_thr.partition_D(sQ), tQcQ,
+                          rows_left, p.head_dim);
+
+  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
+  const int causal_limit = p.causal ? q_row + p.seqlen_k - p.seqlen_q + 1 : p.seqlen_k;
+  const int key_limit = min(p.seqlen_k, causal_limit);  // keys < key_limit are visible to my row
+
+  // S = Q K^T of key block n into this warp's scratch, masked; with load_v, V[n] is loaded too.
+  auto scores = [&](int n_block, bool load_v) {
+    __syncthreads();  // no warp still reads sK / sV
+    int keys_left = p.seqlen_k - n_block * kBlockN;
+    copy_tile_bounded<true>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, keys_left, p.head_dim);
+    if (load_v) copy_tile_bounded<true>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, keys_left, p.head_dim);
+    __syncthreads();
+    FragAcc acc[kBlockN / 16];
+    CUTE_UNROLL
+    for (int j = 0; j < kBlockN / 16; ++j) wmma::fill_fragment(acc[j], 0.f);
+    CUTE_UNROLL
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      FragA a;
+      wmma::load_matrix_sync(a, reinterpret_cast<__half const*>(smem.q.data()) + warp * 16 * kLd + kk * 16, kLd);
+      CUTE_UNROLL
+      for (int j = 0; j < kBlockN / 16; ++j) {
+        FragBCol b;  // K^T: element (k, n) is K[n][k]
+        wmma::load_matrix_sync(b, reinterpret_cast<__half const*>(smem.k.data()) + j * 16 * kLd + kk * 16, kLd);
+        wmma::mma_sync(acc[j], a, b, acc[j]);
+      }
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < kBlockN / 16; ++j) {
+      wmma::store_matrix_sync(scratch + j * 16, acc[j], Traits::kLdS, wmma::mem_row_major);
+    }
+    __syncwarp();
+    float* my = scratch + my_row * Traits::kLdS + my_col0;
+    int col0 = n_block * kBlockN + my_col0;
+    CUTE_UNROLL
+    for (int c = 0; c < kColsPerLane; ++c) {
+      if (col0 + c >= key_limit) my[c] = -INFINITY;
+    }
+  };
+
+  // ---- Pass 1: the exact row max and row sum (lane-partial; the pair of lanes holds the row).
+  float m = -INFINITY;
+  float l = 0.f;
+  for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
+    scores(n_block, false);
+    float const* my = scratch + my_row * Traits::kLdS + my_col0;
+    float block_max = -INFINITY;
+    CUTE_UNROLL
+    for (int c = 0; c < kColsPerLane; ++c) block_max = fmaxf(block_max, my[c]);
+    float m_new = fmaxf(m, fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1)));
+    float m_scaled = m_new == -INFINITY ? 0.f : m_new * p.softmax_scale_log2;
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < kColsPerLane; ++c) sum += exp2_approx(my[c] * p.softmax_scale_log2 - m_scaled);
+    l = l * exp2_approx(m * p.softmax_scale_log2 - m_scaled) + sum;
+    m = m_new;
+    __syncwarp();
+  }
+  l += __shfl_xor_sync(0xffffffff, l, 1);
+  const float m_scaled = m == -INFINITY ? 0.f : m * p.softmax_scale_log2;
+
+  // ---- Pass 2: O = sum over key blocks of P V with P = exp(scale (S - m)), error-corrected.
+  FragAcc acc_o[kHeadDim / 16];
+  CUTE_UNROLL
+  for (int j = 0; j < kHeadDim / 16; ++j) wmma::fill_fragment(acc_o[j], 0.f);
+  for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
+    scores(n_block, true);
+    float const* my = scratch + my_row * Traits::kLdS + my_col0;
+    CUTE_UNROLL
+    for (int c = 0; c < kColsPerLane; ++c) {
+      float prob = exp2_approx(my[c] * p.softmax_scale_log2 - m_scaled);
+      __half hi = __float2half_rn(prob);
+      p_hi[my_row * Traits::kLdP + my_col0 + c] = hi;
+      p_lo[my_row * Traits::kLdP + my_col0 + c] = __float2half_rn((prob - __half2float(hi)) * 2048.f);
+    }
+    __syncwarp();
+    CUTE_UNROLL
+    for (int j = 0; j < kHeadDim / 16; ++j) {
+      FragAcc lo_part;
+      wmma::fill_fragment(lo_part, 0.f);
+      CUTE_UNROLL
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        FragBRow b;  // V: element (k, n) is V[k][n]
+        wmma::load_matrix_sync(b, reinterpret_cast<__half const*>(smem.v.data()) + kk * 16 * kLd + j * 16, kLd);
+        FragA a;
+        wmma::load_matrix_sync(a, p_hi + kk * 16, Traits::kLdP);
+        wmma::mma_sync(acc_o[j], a, b, acc_o[j]);
+        if (p.fp16_correction) {
+          wmma::load_matrix_sync(a, p_lo + kk * 16, Traits::kLdP);
+          wmma::mma_sync(lo_part, a, b, lo_part);
+        }
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < lo_part.num_elements; ++i) acc_o[j].x[i] += lo_part.x[i] * (1.f / 2048.f);
+    }
+    __syncwarp();  // the scratch and P are rewritten by the next block
+  }
+
+  // ---- Epilogue: O / l through the scratch, one 16x16 tile at a time; lse = m scale + log(l).
+  const bool empty = l == 0.f;  // no visible key: O = 0, lse = +inf (as the sm80 kernel)
+  const float inv = empty ? 0.f : 1.f / l;
+  auto* out = static_cast<Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+  CUTE_UNROLL
+  for (int j = 0; j < kHeadDim / 16; ++j) {
+    wmma::store_matrix_sync(scratch, acc_o[j], Traits::kLdS, wmma::mem_row_major);
+    __syncwarp();
+    CUTE_UNROLL
+    for (int c = 0; c < 8; ++c) {
+      int col = j * 16 + (lane % 2) * 8 + c;
+      if (q_row < p.seqlen_q && col < p.head_dim) {
+        out[int64_t(q_row) * p.o_row_stride + col] = Element(scratch[my_row * Traits::kLdS + (lane % 2) * 8 + c] * inv);
+      }
+    }
+    __syncwarp();
+  }
+  if (lane % 2 == 0 && q_row < p.seqlen_q) {
+    p.lse[(int64_t(batch) * p.nheads + head) * p.seqlen_q + q_row] =
+        empty ? INFINITY : m * p.softmax_scale + logf(l);
+  }
+}
+
+}  // namespace cuteflash::sm70
