@@ -22,9 +22,10 @@ def test_one_file_per_instantiation(tmp_path):
     assert r.returncode == 0, r.stderr
     files = r.stdout.strip().split(";")
     assert sorted(files) == sorted(p.name for p in tmp_path.iterdir())
-    kernels = [f for f in files if f.startswith("fwd_")]
-    assert sorted(kernels) == ["fwd_sm80_bf16_hd128.cu", "fwd_sm80_bf16_hd64.cu", "fwd_sm80_fp16_hd128.cu",
-                               "fwd_sm80_fp16_hd64.cu"]
+    kernels = sorted(f for f in files if f.startswith(("fwd_", "bwd_")))
+    expected = [f"{d}_sm80_{t}_hd{h}.cu" for d in ("fwd", "bwd") for t in ("fp16", "bf16") for h in (64, 128)]
+    expected += [f"fwd_sm70_fp16_hd{h}.cu" for h in (64, 128)]  # sm70: fp16 forward only
+    assert kernels == sorted(expected)
     assert "probe_sm70.cu" in files and "probe_sm80.cu" in files
     source = (tmp_path / "fwd_sm80_bf16_hd128.cu").read_text()
     assert "sm80::run_fwd<cutlass::bfloat16_t, 128>" in source
