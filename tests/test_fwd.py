@@ -155,3 +155,11 @@ def test_empty_sizes(batch, seqlen_q, seqlen_k):
     out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
     assert out.shape == q.shape and lse.shape == (batch, 2, seqlen_q)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
+
+
+def test_view_at_an_odd_offset_is_copied_and_correct():
+    require_support(torch.float16)
+    flat = torch.randn(2 * 100 * 4 * 64 + 1, device="cuda", dtype=torch.float16)
+    q = flat[1:].view(2, 100, 4, 64)  # contiguous, but 2 bytes past an aligned address
+    _, k, v = make_qkv(2, 100, 120, 4, 4, 64, torch.float16)
+    run_and_check(q, k, v, True)

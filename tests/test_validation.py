@@ -113,3 +113,27 @@ def test_extension_rechecks_raw_arguments(overrides, message):
     pytest.importorskip("cuteflash._C")
     with pytest.raises(ValueError, match=message):
         call_c(**overrides)
+
+
+# Which inputs the kernels read in place (no copy) and which are copied first: pure stride/pointer logic.
+def test_packed_slices_and_transposed_views_are_read_in_place():
+    from cuteflash._ops import _kernel_operand
+
+    qkv = torch.randn(2, 16, 3, 4, 64, dtype=torch.float16)
+    for t in qkv.unbind(2):
+        assert _kernel_operand(t) is t
+    bhsd = torch.randn(2, 4, 16, 64, dtype=torch.float16).transpose(1, 2)
+    assert _kernel_operand(bhsd) is bhsd
+
+
+def test_unreadable_layouts_are_copied_contiguous():
+    from cuteflash._ops import _kernel_operand
+
+    last_dim_strided = torch.randn(2, 64, 16, 4, dtype=torch.float16).permute(0, 2, 3, 1)
+    misaligned_rows = torch.randn(2, 16, 4, 72, dtype=torch.float16)[..., :64]  # row stride 72: fine
+    odd_offset = torch.randn(2 * 16 * 4 * 64 + 1, dtype=torch.float16)[1:].view(2, 16, 4, 64)  # 2-byte offset
+    odd_stride = torch.randn(2, 16, 4, 68, dtype=torch.float16)[..., :64]  # head stride 68: not a multiple of 8
+    for t in (last_dim_strided, odd_offset, odd_stride):
+        copy = _kernel_operand(t)
+        assert copy is not t and copy.is_contiguous() and torch.equal(copy, t)
+    assert _kernel_operand(misaligned_rows) is misaligned_rows

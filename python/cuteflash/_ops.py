@@ -20,7 +20,10 @@ def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
     """t itself when the kernels can read it in place (last dim contiguous, 16-byte aligned rows),
     else a contiguous copy. Slices of a packed qkv tensor pass unchanged."""
     aligned = t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
-    return t if t.stride(-1) == 1 and aligned else t.contiguous()
+    if t.stride(-1) == 1 and aligned:
+        return t
+    # contiguous() returns a contiguous view at an odd offset unchanged: clone it into aligned memory.
+    return t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t.contiguous()
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
