@@ -30,6 +30,16 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)  # (batch, row, head) of a (b, s, h, d) tensor
 
 
+def _launch(device: torch.device, kernel, *args) -> None:
+    """Calls a launcher of the compiled module with `device` as the current CUDA device (the kernels
+    launch on the current one), switching only when it is not already."""
+    if device.index == torch.cuda.current_device():
+        kernel(*args)
+    else:
+        with torch.cuda.device(device):
+            kernel(*args)
+
+
 def fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
              causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: returns out (b, s_q, h, d) and the fp32 log-sum-exp (b, h, s_q)."""
@@ -48,11 +58,7 @@ def fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
     args = (family, _DTYPE_CODES[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             _strides(q), _strides(k), _strides(v), _strides(out), batch, nheads, nheads_k, seqlen_q, seqlen_k,
             head_dim, softmax_scale, causal, correction, torch.cuda.current_stream(q.device).cuda_stream)
-    if q.device.index == torch.cuda.current_device():
-        compiled_module().fwd(*args)
-    else:  # the kernels launch on the current device: make it q's for the call
-        with torch.cuda.device(q.device):
-            compiled_module().fwd(*args)
+    _launch(q.device, compiled_module().fwd, *args)
     return out, lse
 
 
@@ -93,38 +99,37 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     dout, q, k, v, out = (_kernel_operand(t) for t in (dout, q, k, v, out))
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_k, _ = k.shape
-    # MQA/GQA: a dK/dV per query head, summed over each group below.
-    nheads_dkv = nheads if nheads != nheads_k else nheads_k
     f32 = dict(dtype=torch.float32, device=q.device)
-    # The separate dQ kernel is also the faster one above head dim 128 (H200, fp16, S=2048, 2026-11-21:
-    # d=256 127 -> 158 TFLOP/s, causal 115 -> 140), and needs no fp32 dQ buffer.
-    deterministic = deterministic or head_dim > 128
-    if deterministic:
+    # dQ from the separate (deterministic) kernel instead of atomics; also the faster one above head dim
+    # 128 (H200, fp16, S=2048, 2026-11-21: d=256 127 -> 158 TFLOP/s, causal 115 -> 140), and it needs no
+    # fp32 dQ buffer.
+    separate_dq = deterministic or head_dim > 128
+    if separate_dq:
         dq = torch.empty_like(q)
         dq_accum = torch.empty((0, 0, 0, 0), **f32)
     else:
         dq = torch.empty((0, 0, 0, 0), dtype=q.dtype, device=q.device)
         dq_accum = torch.zeros((batch, seqlen_q, nheads, head_dim), **f32)
     d_rowsum = torch.empty((batch, nheads, seqlen_q), **f32)
-    dk = torch.empty((batch, seqlen_k, nheads_dkv, head_dim), dtype=q.dtype, device=q.device)
+    # A dK/dV per query head (for MQA/GQA, summed over each group below).
+    dk = torch.empty((batch, seqlen_k, nheads, head_dim), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     if batch and seqlen_q and seqlen_k:
         args = (family, _DTYPE_CODES[q.dtype], dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                 out.data_ptr(), lse.data_ptr(), dq.data_ptr(), dq_accum.data_ptr(), d_rowsum.data_ptr(),
                 dk.data_ptr(), dv.data_ptr(), _strides(dout), _strides(q), _strides(k), _strides(v), _strides(out),
-                _strides(dq), _strides(dq_accum), _strides(dk), _strides(dv), batch, nheads, nheads_k, nheads_dkv,
-                seqlen_q, seqlen_k, head_dim, softmax_scale, causal, deterministic,
+                _strides(dq), _strides(dq_accum), _strides(dk), _strides(dv), batch, nheads, nheads_k, nheads,
+                seqlen_q, seqlen_k, head_dim, softmax_scale, causal, separate_dq,
                 torch.cuda.current_stream(q.device).cuda_stream)
-        with torch.cuda.device(q.device):
-            compiled_module().bwd(*args)
+        _launch(q.device, compiled_module().bwd, *args)
     else:  # no query or no key: every gradient is zero
         dk.zero_()
         dv.zero_()
-        if deterministic:
+        if separate_dq:
             dq.zero_()
-    if not deterministic:
+    if not separate_dq:
         dq = dq_accum.mul_(softmax_scale).to(q.dtype)
-    if nheads_dkv != nheads_k:
+    if nheads != nheads_k:
         groups = nheads // nheads_k
         dk = dk.view(batch, seqlen_k, nheads_k, groups, head_dim).sum(3)
         dv = dv.view(batch, seqlen_k, nheads_k, groups, head_dim).sum(3)
