@@ -70,6 +70,7 @@ def test_backward_large_logits_stay_finite(head_dim):
 
 
 def test_backward_softmax_scale_and_packed_qkv():
+    require_support(torch.bfloat16)
     qkv = torch.randn(2, 257, 3, 4, 64, device="cuda", dtype=torch.bfloat16)
     dout = torch.randn(2, 257, 4, 64, device="cuda", dtype=torch.bfloat16)
     leaf = qkv.clone().requires_grad_()
@@ -102,10 +103,11 @@ def test_lse_is_not_differentiable():
     assert out.requires_grad and not lse.requires_grad
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_deterministic_backward_is_bitwise_reproducible(head_dim, causal):
-    q, k, v = make_qkv(2, 777, 1031, 6, 2, head_dim, torch.bfloat16)
+def test_deterministic_backward_is_bitwise_reproducible(head_dim, causal, dtype):
+    q, k, v = make_qkv(2, 777, 1031, 6, 2, head_dim, dtype)
     dout = torch.randn_like(q)
     runs = []
     for _ in range(3):

@@ -24,7 +24,7 @@ def test_one_file_per_instantiation(tmp_path):
     assert sorted(files) == sorted(p.name for p in tmp_path.iterdir())
     kernels = sorted(f for f in files if f.startswith(("fwd_", "bwd_")))
     expected = [f"{d}_sm80_{t}_hd{h}.cu" for d in ("fwd", "bwd") for t in ("fp16", "bf16") for h in (64, 128)]
-    expected += [f"fwd_sm70_fp16_hd{h}.cu" for h in (64, 128)]  # sm70: fp16 forward only
+    expected += [f"{d}_sm70_fp16_hd{h}.cu" for d in ("fwd", "bwd") for h in (64, 128)]  # sm70: fp16 only
     assert kernels == sorted(expected)
     assert "probe_sm70.cu" in files and "probe_sm80.cu" in files
     source = (tmp_path / "fwd_sm80_bf16_hd128.cu").read_text()

@@ -1,9 +1,12 @@
-// Host helpers shared by the launchers of both families: the device's shared-memory limit and a launch
-// that raises the kernel's dynamic shared-memory limit first when it needs more than 48 KB.
+// Host helpers shared by the launchers of both families: the device's shared-memory limit, the choice
+// of the first tile variant that fits it, and a launch that raises the kernel's dynamic shared-memory
+// limit first when it needs more than 48 KB.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -11,11 +14,16 @@
 
 namespace cuteflash {
 
+// The opt-in shared memory per block of the current device. Developers: CUTEFLASH_SMEM_LIMIT=<bytes>
+// lowers it, so that the tiles of a smaller GPU (T4: 65536, sm86/89: 101376) run on a larger one.
 inline int max_smem_per_block() {
   int device = 0, max_smem = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   check_cuda(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
              "reading the shared-memory limit");
+  if (char const* limit = std::getenv("CUTEFLASH_SMEM_LIMIT"); limit != nullptr && *limit != '\0') {
+    max_smem = std::min(max_smem, std::atoi(limit));
+  }
   return max_smem;
 }
 
@@ -25,6 +33,20 @@ inline void require_smem(int needed, char const* what, int head_dim) {
     throw std::runtime_error(std::string("cuteflash: the ") + what + " kernel for head dim " + std::to_string(head_dim) +
                              " needs " + std::to_string(needed) + " bytes of shared memory per block; this GPU offers " +
                              std::to_string(available));
+  }
+}
+
+// Calls launch_one(T{}) for the first of the tile variants First, Rest... whose shared memory fits
+// this device (largest first), or raises if none does.
+template <typename First, typename... Rest, typename LaunchOne>
+void launch_fitting(LaunchOne const& launch_one, char const* what, int head_dim) {
+  if constexpr (sizeof...(Rest) == 0) {
+    require_smem(First::kSmemBytes, what, head_dim);
+    launch_one(First{});
+  } else if (First::kSmemBytes <= max_smem_per_block()) {
+    launch_one(First{});
+  } else {
+    launch_fitting<Rest...>(launch_one, what, head_dim);
   }
 }
 

@@ -33,14 +33,14 @@ struct FwdParams {
   float softmax_scale;       // applied to QK^T, 1/sqrt(head_dim) by default
   float softmax_scale_log2;  // softmax_scale * log2(e): the kernels use exp2
   bool causal;               // bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
-  bool fp16_correction;      // sm70: P V as hi V + 2^-11 lo V (error-corrected fp16); false for comparison
+  bool fp16_correction;      // sm70: P (and dS) as hi + 2^-11 lo in their products (error-corrected fp16)
 };
 
 // The backward pass: the forward's problem plus dO, the gradients and two fp32 work buffers.
-// dk/dv have nheads_dkv heads: nheads_k, or nheads for MQA/GQA, where Python then sums each group.
+// dk/dv have a head per query head (nheads); for MQA/GQA Python sums each group.
 struct BwdParams : FwdParams {
   const void* dout;  // like q
-  void* dk;          // (batch, seqlen_k, nheads_dkv, head_dim)
+  void* dk;          // (batch, seqlen_k, nheads, head_dim)
   void* dv;
   float* dq_accum;   // (batch, seqlen_q, nheads, head_dim) fp32, zeroed; receives dS K (unscaled)
   void* dq;          // like q; written directly by the deterministic dQ kernel
@@ -51,7 +51,6 @@ struct BwdParams : FwdParams {
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
   int64_t dq_accum_batch_stride, dq_accum_row_stride, dq_accum_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
-  int nheads_dkv;
   // dQ by a second kernel that walks the keys of each query block (bitwise reproducible), instead of
   // fp32 atomics from the dK/dV kernel (whose order varies between runs).
   bool deterministic;

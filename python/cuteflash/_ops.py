@@ -40,6 +40,12 @@ def _launch(device: torch.device, kernel, *args) -> None:
             kernel(*args)
 
 
+def _fp16_correction(family: str) -> bool:
+    """sm70: P (and dS) enter their fp16 tensor-core products error-corrected, unless
+    CUTEFLASH_SM70_CORRECTION=0 (plain fp16, for comparison). The sm80 kernels ignore the flag."""
+    return family != "sm70" or os.environ.get(SM70_CORRECTION_ENV, "1") != "0"
+
+
 def fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
              causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: returns out (b, s_q, h, d) and the fp32 log-sum-exp (b, h, s_q)."""
@@ -53,11 +59,10 @@ def fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if seqlen_k == 0:  # no key at all: every row is empty (and k, v have no memory to point at)
         return out.zero_(), lse.fill_(float("inf"))
-    # sm70: P V in error-corrected fp16 unless CUTEFLASH_SM70_CORRECTION=0 (for comparison).
-    correction = family != "sm70" or os.environ.get(SM70_CORRECTION_ENV, "1") != "0"
     args = (family, _DTYPE_CODES[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             _strides(q), _strides(k), _strides(v), _strides(out), batch, nheads, nheads_k, seqlen_q, seqlen_k,
-            head_dim, softmax_scale, causal, correction, torch.cuda.current_stream(q.device).cuda_stream)
+            head_dim, softmax_scale, causal, _fp16_correction(family),
+            torch.cuda.current_stream(q.device).cuda_stream)
     _launch(q.device, compiled_module().fwd, *args)
     return out, lse
 
@@ -93,17 +98,17 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     family = select_family(q.device)
     if "bwd" not in build_info()["families"][family]["directions"]:
         raise NotImplementedError(
-            f"cuteflash: the {family} family has no backward kernel yet; detach the inputs, or train with "
-            "torch.nn.functional.scaled_dot_product_attention on this GPU"
+            f"cuteflash: this build has no {family} backward kernels (built with CUTEFLASH_DIRECTIONS=fwd); "
+            "detach the inputs, or rebuild with the backward pass"
         )
     dout, q, k, v, out = (_kernel_operand(t) for t in (dout, q, k, v, out))
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_k, _ = k.shape
     f32 = dict(dtype=torch.float32, device=q.device)
-    # dQ from the separate (deterministic) kernel instead of atomics; also the faster one above head dim
-    # 128 (H200, fp16, S=2048, 2026-11-21: d=256 127 -> 158 TFLOP/s, causal 115 -> 140), and it needs no
-    # fp32 dQ buffer.
-    separate_dq = deterministic or head_dim > 128
+    # dQ from the separate (deterministic) kernel instead of atomics; on sm80 also the faster one above
+    # head dim 128 (H200, fp16, S=2048, 2026-11-21: d=256 127 -> 158 TFLOP/s, causal 115 -> 140), and it
+    # needs no fp32 dQ buffer.
+    separate_dq = deterministic or (family == "sm80" and head_dim > 128)
     if separate_dq:
         dq = torch.empty_like(q)
         dq_accum = torch.empty((0, 0, 0, 0), **f32)
@@ -118,8 +123,8 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
         args = (family, _DTYPE_CODES[q.dtype], dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                 out.data_ptr(), lse.data_ptr(), dq.data_ptr(), dq_accum.data_ptr(), d_rowsum.data_ptr(),
                 dk.data_ptr(), dv.data_ptr(), _strides(dout), _strides(q), _strides(k), _strides(v), _strides(out),
-                _strides(dq), _strides(dq_accum), _strides(dk), _strides(dv), batch, nheads, nheads_k, nheads,
-                seqlen_q, seqlen_k, head_dim, softmax_scale, causal, separate_dq,
+                _strides(dq), _strides(dq_accum), _strides(dk), _strides(dv), batch, nheads, nheads_k, seqlen_q,
+                seqlen_k, head_dim, softmax_scale, causal, _fp16_correction(family), separate_dq,
                 torch.cuda.current_stream(q.device).cuda_stream)
         _launch(q.device, compiled_module().bwd, *args)
     else:  # no query or no key: every gradient is zero

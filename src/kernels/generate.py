@@ -19,7 +19,7 @@ DTYPES = {"fp16": ("kFloat16", "cutlass::half_t"), "bf16": ("kBFloat16", "cutlas
 DIRECTIONS = {"fwd": ("FwdParams", "FwdFn"), "bwd": ("BwdParams", "BwdFn")}
 # Which dtypes and directions each family implements.
 FAMILIES = {
-    "sm70": {"dtypes": ("fp16",), "directions": ("fwd",)},
+    "sm70": {"dtypes": ("fp16",), "directions": ("fwd", "bwd")},
     "sm80": {"dtypes": ("fp16", "bf16"), "directions": ("fwd", "bwd")},
 }
 

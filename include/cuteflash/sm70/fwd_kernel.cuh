@@ -10,23 +10,21 @@
 // 2^-11 scale of the lo product needs no knowledge of the fragment layout.
 #pragma once
 
-#include <mma.h>
-
 #include "cuteflash/block_info.cuh"
 #include "cuteflash/params.h"
-#include "cuteflash/utils.cuh"
+#include "cuteflash/sm70/wmma.cuh"
 
 namespace cuteflash::sm70 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockN_>
+template <int kHeadDim_, int kBlockN_, int kNWarps_ = 4>
 struct FwdTraits {
   using Element = half_t;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;  // 4 warps x 16 query rows
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kBlockM = 16 * kNWarps;  // 16 query rows per warp
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kNWarps = 4;
   static constexpr int kNThreads = kNWarps * 32;
   static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0);
 
@@ -55,11 +53,6 @@ struct FwdTraits {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
-
-using FragA = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half, nvcuda::wmma::row_major>;
-using FragBRow = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half, nvcuda::wmma::row_major>;
-using FragBCol = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half, nvcuda::wmma::col_major>;
-using FragAcc = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>;
 
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams p) {

@@ -1,6 +1,6 @@
 // sm80 backward kernels: FlashAttention-2's dQ, dK, dV with ldmatrix + mma.sync.m16n8k16 + cp.async.
 //
-// A preprocess kernel computes D = rowsum(dO * O). The main kernel owns kBlockN keys of one
+// After D = rowsum(dO * O) (bwd_preprocess.cuh), the main kernel owns kBlockN keys of one
 // (batch, head) and walks the query blocks that see them, recomputing P from Q, K and the saved
 // log-sum-exp:
 //   S = Q K^T, dP = dO V^T  ->  P = exp(scale S - lse), dS = P * (dP - D)  ->  P, dS to shared memory
@@ -15,32 +15,6 @@
 #include "cuteflash/utils.cuh"
 
 namespace cuteflash::sm80 {
-
-// D = rowsum(dO * O) in fp32: one warp per query row, 16-byte loads.
-template <typename Element>
-__global__ void bwd_preprocess_kernel(const BwdParams p) {
-  const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  if (row >= p.seqlen_q) return;
-  auto const* o = static_cast<Element const*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride +
-                  head * p.o_head_stride;
-  auto const* dout = static_cast<Element const*>(p.dout) + batch * p.do_batch_stride + row * p.do_row_stride +
-                     head * p.do_head_stride;
-  float sum = 0.f;
-  for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
-    uint4 o8 = *reinterpret_cast<uint4 const*>(o + c);
-    uint4 do8 = *reinterpret_cast<uint4 const*>(dout + c);
-    auto const* oe = reinterpret_cast<Element const*>(&o8);
-    auto const* doe = reinterpret_cast<Element const*>(&do8);
-    CUTE_UNROLL
-    for (int j = 0; j < 8; ++j) sum += static_cast<float>(oe[j]) * static_cast<float>(doe[j]);
-  }
-  CUTE_UNROLL
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
-  if (lane == 0) p.d_rowsum[(int64_t(batch) * p.nheads + head) * p.seqlen_q + row] = sum;
-}
 
 // Writes an accumulator tile (rows < max_rows, columns < max_cols) to global memory, element by element:
 // once per thread block, so plain stores suffice.
@@ -270,10 +244,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
   Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  const int head_dkv = p.nheads_dkv == p.nheads ? head : head_k;
-  auto* dk = static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head_dkv * p.dk_head_stride +
+  auto* dk = static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride +
              int64_t(n_block) * kBlockN * p.dk_row_stride;
-  auto* dv = static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head_dkv * p.dv_head_stride +
+  auto* dv = static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride +
              int64_t(n_block) * kBlockN * p.dv_row_stride;
   store_tile(convert_fragment<Element>(acc_dk), tdKVcdKV, dk, p.dk_row_stride, keys_left, p.head_dim);
   store_tile(convert_fragment<Element>(acc_dv), tdKVcdKV, dv, p.dv_row_stride, keys_left, p.head_dim);

@@ -2,6 +2,7 @@
 // asked for a deterministic pass. Included by the generated src/kernels/bwd_sm80_<dtype>_hd<D>.cu only.
 #pragma once
 
+#include "cuteflash/bwd_preprocess.cuh"
 #include "cuteflash/launch.h"
 #include "cuteflash/sm80/bwd_kernel.cuh"
 
@@ -9,9 +10,7 @@ namespace cuteflash::sm80 {
 
 template <typename Element, int kHeadDim>
 void run_bwd(BwdParams const& p, cudaStream_t stream) {
-  constexpr int kPreprocessWarps = 4;
-  dim3 grid_pre(ceil_div(p.seqlen_q, kPreprocessWarps), p.nheads, p.batch);
-  launch(&bwd_preprocess_kernel<Element>, grid_pre, kPreprocessWarps * 32, 0, stream, p, "backward preprocess");
+  launch_bwd_preprocess<Element>(p, stream);
 
   using Traits = typename BwdTraitsSelect<Element, kHeadDim>::type;
   require_smem(Traits::kSmemBytes, "backward", kHeadDim);

@@ -1,0 +1,384 @@
+// sm70 backward kernels (Volta, Turing): WMMA fp16 tensor cores with error-corrected P and dS.
+//
+// The structure of FlashAttention-2's backward. After D = rowsum(dO * O) (bwd_preprocess.cuh), each
+// thread block of bwd_kernel owns kBlockN keys and walks the query blocks that see them:
+//   S = Q K^T   -> P = exp(scale S - lse)      (S and dP pass through a shared fp32 scratch: WMMA's
+//   dP = dO V^T -> dS = P (dP - D)              accumulator layout is unspecified, rows are not known)
+//   dV += P^T dO,  dK += dS^T Q,  dQ += dS K (fp32 atomics, or bwd_dq_kernel when deterministic)
+// P and dS are fp32 and feed fp16 tensor-core products, so each is stored as hi + 2^-11 lo (see
+// wmma.cuh) and both halves are multiplied, accumulating in fp32. Scaling keeps small values out of
+// fp16's subnormal range (below 2^-14, where precision drops, and 2^-24, where values flush to 0):
+// P <= 1 is stored times 2^15, and dS times a power of two per step that puts the step's largest
+// |dS| in [2^14, 2^15) -- small gradients (small dO, long rows) would otherwise underflow. Each step's
+// products are unscaled as they are added to the fp32 accumulators. Without p.fp16_correction (for
+// comparison) P and dS are rounded to fp16 once, unscaled: what a plain fp16 kernel computes.
+#pragma once
+
+#include "cuteflash/block_info.cuh"
+#include "cuteflash/params.h"
+#include "cuteflash/sm70/wmma.cuh"
+
+namespace cuteflash::sm70 {
+
+constexpr float kPScale = 32768.f;  // 2^15: P <= 1, so P's fp16 hi stays below fp16's 65504
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_>
+struct BwdTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // query rows per step
+  static constexpr int kBlockN = kBlockN_;  // keys per step (of a dK/dV thread block: all of its keys)
+  static constexpr int kNWarps = 8;
+  static constexpr int kNThreads = kNWarps * 32;
+  static_assert(kHeadDim % 32 == 0 && kBlockM % 16 == 0 && kBlockN % 16 == 0);
+
+  // Row-major shared tiles padded by 16 bytes per row against bank conflicts (WMMA loads take a
+  // pointer and a leading dimension: no swizzle).
+  static constexpr int kLdQKV = kHeadDim + 8;  // halves
+  static constexpr int kLdS = kBlockN + 4;     // floats: S, then dP, (kBlockM, kBlockN)
+  static constexpr int kLdP = kBlockN + 8;     // halves: P and dS hi / lo, (kBlockM, kBlockN)
+
+  // The element-wise phase: each thread owns kCols consecutive columns of one row of S and dP.
+  static constexpr int kCols = kBlockM * kBlockN / kNThreads;
+  static constexpr int kThreadsPerRow = kBlockN / kCols;
+  static_assert(kCols >= 1 && kThreadsPerRow * kCols == kBlockN && 32 % kThreadsPerRow == 0);
+
+  // 16x16 output tiles of each product, dealt to the warps round-robin.
+  static constexpr int kScoreTiles = (kBlockM / 16) * (kBlockN / 16);  // S, dP
+  static constexpr int kKeyTiles = (kBlockN / 16) * (kHeadDim / 16);   // dK, dV
+  static constexpr int kQueryTiles = (kBlockM / 16) * (kHeadDim / 16); // dQ
+  static constexpr int kKeyTilesPerWarp = ceil_div(kKeyTiles, kNWarps);
+  static constexpr int kQueryTilesPerWarp = ceil_div(kQueryTiles, kNWarps);
+
+  // The scratch holds S, then dP; between steps, each warp's 16x16 fp32 tile on its way out.
+  static constexpr int kScratchFloats =
+      kBlockM * kLdS > kNWarps * 16 * 16 ? kBlockM * kLdS : kNWarps * 16 * 16;
+
+  using SmemLayoutQ = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
+  using SmemLayoutKV = Layout<Shape<Int<kBlockN>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
+  using CopyQ = GmemTileCopy<kBlockM, kHeadDim, kNThreads>;
+  using CopyKV = GmemTileCopy<kBlockN, kHeadDim, kNThreads>;
+
+  struct SharedStorage {  // 32-byte alignment: WMMA loads and stores need 256-bit aligned pointers
+    array_aligned<half_t, cosize_v<SmemLayoutQ>, 32> q, dout;
+    array_aligned<half_t, cosize_v<SmemLayoutKV>, 32> k, v;
+    array_aligned<float, kScratchFloats, 32> scratch;
+    array_aligned<half_t, kBlockM * kLdP, 32> p_hi, p_lo, ds_hi, ds_lo;
+    float warp_max[kNWarps];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+};
+
+// The factors that undo a step's scaling of P and dS in the products that use them.
+struct Unscale {
+  float p;
+  float ds;
+};
+
+// The lse (times log2 e) and D of a query row; rows past seqlen_q get P = 0 and dS = 0.
+struct RowStats {
+  float lse_log2;
+  float d;
+  __device__ RowStats(BwdParams const& p, int64_t row_stats, int row) {
+    bool valid = row < p.seqlen_q;
+    lse_log2 = valid ? p.lse[row_stats + row] * 1.4426950408889634f : INFINITY;
+    d = valid ? p.d_rowsum[row_stats + row] : 0.f;
+  }
+};
+
+// One step of either kernel: query block m_block against key block n_block, with Q, dO, K and V of the
+// blocks in shared memory. Writes P 2^15 and dS s (s chosen per step) as hi / lo pairs to shared
+// memory; `row` is the calling thread's row of the element-wise phase (tid / kThreadsPerRow).
+template <typename Traits>
+__device__ Unscale probs_and_grads(typename Traits::SharedStorage& smem, BwdParams const& p, int m_block, int n_block,
+                                 RowStats const& row) {
+  constexpr int kLd = Traits::kLdQKV;
+  constexpr int kCols = Traits::kCols;
+  constexpr int kTilesN = Traits::kBlockN / 16;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  float* scratch = smem.scratch.data();
+
+  // A B^T of (kBlockM, kHeadDim) A and (kBlockN, kHeadDim) B into the scratch, fp32.
+  auto scores = [&](half_t const* a, half_t const* b) {
+    for (int t = warp; t < Traits::kScoreTiles; t += Traits::kNWarps) {
+      int mt = t / kTilesN, nt = t % kTilesN;
+      FragAcc acc;
+      nvcuda::wmma::fill_fragment(acc, 0.f);
+      mma_tile<Traits::kHeadDim, false, true>(acc, reinterpret_cast<__half const*>(a) + mt * 16 * kLd, kLd,
+                                              reinterpret_cast<__half const*>(b) + nt * 16 * kLd, kLd);
+      nvcuda::wmma::store_matrix_sync(scratch + mt * 16 * Traits::kLdS + nt * 16, acc, Traits::kLdS,
+                                      nvcuda::wmma::mem_row_major);
+    }
+    __syncthreads();
+  };
+
+  const int r = tid / Traits::kThreadsPerRow;
+  const int c0 = (tid % Traits::kThreadsPerRow) * kCols;
+  const int q_row = m_block * Traits::kBlockM + r;
+  const int key0 = n_block * Traits::kBlockN + c0;
+  const int key_limit = p.causal ? min(p.seqlen_k, q_row + p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
+  float const* mine = scratch + r * Traits::kLdS + c0;
+  auto* p_hi = reinterpret_cast<__half*>(smem.p_hi.data()) + r * Traits::kLdP + c0;
+  auto* p_lo = reinterpret_cast<__half*>(smem.p_lo.data()) + r * Traits::kLdP + c0;
+  auto* ds_hi = reinterpret_cast<__half*>(smem.ds_hi.data()) + r * Traits::kLdP + c0;
+  auto* ds_lo = reinterpret_cast<__half*>(smem.ds_lo.data()) + r * Traits::kLdP + c0;
+
+  const float p_scale = p.fp16_correction ? kPScale : 1.f;
+  scores(smem.q.data(), smem.k.data());
+  float prob[kCols];
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; ++c) {
+    prob[c] = key0 + c < key_limit ? exp2_approx(mine[c] * p.softmax_scale_log2 - row.lse_log2) : 0.f;
+    split_hi_lo(prob[c] * p_scale, p_hi[c], p_lo[c]);
+  }
+  __syncthreads();  // S is read: the scratch takes dP
+
+  scores(smem.dout.data(), smem.v.data());
+  float ds[kCols];
+  float ds_max = 0.f;
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; ++c) {
+    ds[c] = prob[c] * (mine[c] - row.d);
+    ds_max = fmaxf(ds_max, fabsf(ds[c]));
+  }
+  CUTE_UNROLL
+  for (int offset = 16; offset > 0; offset /= 2) ds_max = fmaxf(ds_max, __shfl_xor_sync(0xffffffff, ds_max, offset));
+  if (tid % 32 == 0) smem.warp_max[warp] = ds_max;
+  __syncthreads();
+  CUTE_UNROLL
+  for (int w = 0; w < Traits::kNWarps; ++w) ds_max = fmaxf(ds_max, smem.warp_max[w]);
+  // s = 2^(15 - e) for max |dS| = f 2^e, f in [0.5, 1): the largest element lands in [2^14, 2^15).
+  int e = 0;
+  frexpf(ds_max, &e);
+  const float ds_scale = ds_max > 0.f && p.fp16_correction ? ldexpf(1.f, min(15 - e, 126)) : 1.f;
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; ++c) split_hi_lo(ds[c] * ds_scale, ds_hi[c], ds_lo[c]);
+  __syncthreads();  // P and dS are complete; the scratch is free
+  return {1.f / p_scale, 1.f / ds_scale};
+}
+
+// Writes acc * scale (a 16x16 fp32 tile) as fp16 to out, a row-major global matrix, through the warp's
+// shared staging tile: rows below rows_valid, columns below cols_valid (a multiple of 8).
+__device__ __forceinline__ void store_tile_fp16(FragAcc const& acc, float scale, float* stage, half_t* out,
+                                                int64_t row_stride, int rows_valid, int cols_valid) {
+  const int lane = threadIdx.x % 32;
+  nvcuda::wmma::store_matrix_sync(stage, acc, 16, nvcuda::wmma::mem_row_major);
+  __syncwarp();
+  const int r = lane / 2, c0 = (lane % 2) * 8;
+  if (r < rows_valid && c0 < cols_valid) {
+    cutlass::Array<half_t, 8> packed;
+    CUTE_UNROLL
+    for (int c = 0; c < 8; ++c) packed[c] = half_t(stage[r * 16 + c0 + c] * scale);
+    *reinterpret_cast<cutlass::Array<half_t, 8>*>(out + r * row_stride + c0) = packed;
+  }
+  __syncwarp();  // the staging tile is free
+}
+
+// Adds acc * scale (a 16x16 fp32 tile) into out (row-major fp32 in global memory) with atomic
+// reductions, rows below rows_valid, columns below cols_valid. Each instruction covers two rows of 16.
+__device__ __forceinline__ void red_add_tile(FragAcc const& acc, float scale, float* stage, float* out,
+                                             int64_t row_stride, int rows_valid, int cols_valid) {
+  const int lane = threadIdx.x % 32;
+  nvcuda::wmma::store_matrix_sync(stage, acc, 16, nvcuda::wmma::mem_row_major);
+  __syncwarp();
+  CUTE_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    int r = 2 * i + lane / 16, c = lane % 16;
+    if (r < rows_valid && c < cols_valid) global_red_add(out + r * row_stride + c, stage[r * 16 + c] * scale);
+  }
+  __syncwarp();
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams p) {
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kLd = Traits::kLdQKV;
+  constexpr int kLdP = Traits::kLdP;
+  constexpr int kTilesD = kHeadDim / 16;
+  extern __shared__ __align__(128) char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+
+  const int n_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int head_k = head / (p.nheads / p.nheads_k);
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int keys_left = p.seqlen_k - n_block * kBlockN;
+  // Query blocks with a row that sees a key of this block (causal: query i sees keys j <= i + shift).
+  const int m_block_max = ceil_div(p.seqlen_q, kBlockM);
+  const int m_block_min = p.causal ? max(0, n_block * kBlockN - (p.seqlen_k - p.seqlen_q)) / kBlockM : 0;
+
+  auto const* q = static_cast<__half const*>(p.q);
+  auto const* dout = static_cast<__half const*>(p.dout);
+  Tensor gQ = head_rows<kBlockM, kHeadDim>(q, batch * p.q_batch_stride + head * p.q_head_stride, p.seqlen_q,
+                                           p.q_row_stride);
+  Tensor gdO = head_rows<kBlockM, kHeadDim>(dout, batch * p.do_batch_stride + head * p.do_head_stride, p.seqlen_q,
+                                            p.do_row_stride);
+  // gQ, gdO: (kBlockM, kHeadDim, m_blocks)
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
+  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim>(static_cast<__half const*>(p.k), batch * p.k_batch_stride +
+                                                    head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride)(_, _, n_block),
+                       sK, keys_left, p.head_dim, tid);
+  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim>(static_cast<__half const*>(p.v), batch * p.v_batch_stride +
+                                                    head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride)(_, _, n_block),
+                       sV, keys_left, p.head_dim, tid);
+
+  FragAcc acc_dk[Traits::kKeyTilesPerWarp], acc_dv[Traits::kKeyTilesPerWarp];
+  CUTE_UNROLL
+  for (int i = 0; i < Traits::kKeyTilesPerWarp; ++i) {
+    nvcuda::wmma::fill_fragment(acc_dk[i], 0.f);
+    nvcuda::wmma::fill_fragment(acc_dv[i], 0.f);
+  }
+  auto const* p_hi = reinterpret_cast<__half const*>(smem.p_hi.data());
+  auto const* p_lo = reinterpret_cast<__half const*>(smem.p_lo.data());
+  auto const* ds_hi = reinterpret_cast<__half const*>(smem.ds_hi.data());
+  auto const* ds_lo = reinterpret_cast<__half const*>(smem.ds_lo.data());
+  auto const* s_q = reinterpret_cast<__half const*>(smem.q.data());
+  auto const* s_do = reinterpret_cast<__half const*>(smem.dout.data());
+  auto const* s_k = reinterpret_cast<__half const*>(smem.k.data());
+  float* stage = smem.scratch.data() + warp * 16 * 16;
+  const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
+  float* dq_accum = p.dq_accum + batch * p.dq_accum_batch_stride + head * p.dq_accum_head_stride;
+
+  for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+    __syncthreads();  // no warp still reads the previous Q, dO, P, dS or its staging tile
+    const int rows_left = p.seqlen_q - m_block * kBlockM;
+    Traits::CopyQ::copy(gQ(_, _, m_block), sQ, rows_left, p.head_dim, tid);
+    Traits::CopyQ::copy(gdO(_, _, m_block), sdO, rows_left, p.head_dim, tid);
+    const RowStats row(p, row_stats, m_block * kBlockM + tid / Traits::kThreadsPerRow);
+    __syncthreads();
+    const Unscale unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
+
+    // dV += P^T dO / 2^15 and dK += dS^T Q / s: A read transposed from P / dS, K = the step's queries.
+    CUTE_UNROLL
+    for (int i = 0; i < Traits::kKeyTilesPerWarp; ++i) {
+      int t = warp + i * Traits::kNWarps;
+      if (Traits::kKeyTiles % Traits::kNWarps == 0 || t < Traits::kKeyTiles) {
+        int nt = t / kTilesD, dt = t % kTilesD;
+        mma_tile_corrected<kBlockM, true, false>(acc_dv[i], p_hi + nt * 16, p_lo + nt * 16, kLdP, s_do + dt * 16, kLd,
+                                                 unscale.p, p.fp16_correction);
+        mma_tile_corrected<kBlockM, true, false>(acc_dk[i], ds_hi + nt * 16, ds_lo + nt * 16, kLdP, s_q + dt * 16, kLd,
+                                                 unscale.ds, p.fp16_correction);
+      }
+    }
+    if (!p.deterministic) {  // dQ += dS K / s, added to the fp32 buffer tile by tile
+      for (int t = warp; t < Traits::kQueryTiles; t += Traits::kNWarps) {
+        int mt = t / kTilesD, dt = t % kTilesD;
+        FragAcc acc;
+        nvcuda::wmma::fill_fragment(acc, 0.f);
+        mma_tile_corrected<kBlockN, false, false>(acc, ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP,
+                                                  s_k + dt * 16, kLd, unscale.ds, p.fp16_correction);
+        int row0 = m_block * kBlockM + mt * 16;
+        red_add_tile(acc, 1.f, stage, dq_accum + int64_t(row0) * p.dq_accum_row_stride + dt * 16,
+                     p.dq_accum_row_stride, p.seqlen_q - row0, p.head_dim - dt * 16);
+      }
+    }
+  }
+  __syncthreads();  // the staging tiles alias the scratch: no warp still reads it (also with no step)
+
+  // dK = scale dS^T Q and dV, in the input dtype; a key block that no query sees gets zeros.
+  auto* dk = static_cast<half_t*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride;
+  auto* dv = static_cast<half_t*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride;
+  CUTE_UNROLL
+  for (int i = 0; i < Traits::kKeyTilesPerWarp; ++i) {
+    int t = warp + i * Traits::kNWarps;
+    if (Traits::kKeyTiles % Traits::kNWarps == 0 || t < Traits::kKeyTiles) {
+      int nt = t / kTilesD, dt = t % kTilesD;
+      int row0 = n_block * kBlockN + nt * 16;
+      store_tile_fp16(acc_dk[i], p.softmax_scale, stage, dk + int64_t(row0) * p.dk_row_stride + dt * 16,
+                      p.dk_row_stride, p.seqlen_k - row0, p.head_dim - dt * 16);
+      store_tile_fp16(acc_dv[i], 1.f, stage, dv + int64_t(row0) * p.dv_row_stride + dt * 16, p.dv_row_stride,
+                      p.seqlen_k - row0, p.head_dim - dt * 16);
+    }
+  }
+}
+
+// Deterministic dQ: one thread block per query block walks the key blocks it sees in a fixed order,
+// recomputing P and dS, and keeps dQ += dS K / s in registers.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdParams p) {
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kLd = Traits::kLdQKV;
+  constexpr int kLdP = Traits::kLdP;
+  constexpr int kTilesD = kHeadDim / 16;
+  extern __shared__ __align__(128) char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+
+  const int m_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int head_k = head / (p.nheads / p.nheads_k);
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int rows_left = p.seqlen_q - m_block * kBlockM;
+
+  Tensor gK = head_rows<kBlockN, kHeadDim>(static_cast<__half const*>(p.k),
+                                           batch * p.k_batch_stride + head_k * p.k_head_stride, p.seqlen_k,
+                                           p.k_row_stride);
+  Tensor gV = head_rows<kBlockN, kHeadDim>(static_cast<__half const*>(p.v),
+                                           batch * p.v_batch_stride + head_k * p.v_head_stride, p.seqlen_k,
+                                           p.v_row_stride);
+  // gK, gV: (kBlockN, kHeadDim, n_blocks)
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
+  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim>(static_cast<__half const*>(p.q), batch * p.q_batch_stride +
+                                                   head * p.q_head_stride, p.seqlen_q, p.q_row_stride)(_, _, m_block),
+                      sQ, rows_left, p.head_dim, tid);
+  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim>(static_cast<__half const*>(p.dout), batch * p.do_batch_stride +
+                                                   head * p.do_head_stride, p.seqlen_q, p.do_row_stride)(_, _, m_block),
+                      sdO, rows_left, p.head_dim, tid);
+  const RowStats row(p, (int64_t(batch) * p.nheads + head) * p.seqlen_q,
+                     m_block * kBlockM + tid / Traits::kThreadsPerRow);
+
+  FragAcc acc_dq[Traits::kQueryTilesPerWarp];
+  CUTE_UNROLL
+  for (int i = 0; i < Traits::kQueryTilesPerWarp; ++i) nvcuda::wmma::fill_fragment(acc_dq[i], 0.f);
+  auto const* ds_hi = reinterpret_cast<__half const*>(smem.ds_hi.data());
+  auto const* ds_lo = reinterpret_cast<__half const*>(smem.ds_lo.data());
+  auto const* s_k = reinterpret_cast<__half const*>(smem.k.data());
+
+  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
+  for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
+    __syncthreads();  // no warp still reads the previous K, V or dS
+    const int keys_left = p.seqlen_k - n_block * kBlockN;
+    Traits::CopyKV::copy(gK(_, _, n_block), sK, keys_left, p.head_dim, tid);
+    Traits::CopyKV::copy(gV(_, _, n_block), sV, keys_left, p.head_dim, tid);
+    __syncthreads();
+    const Unscale unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
+    CUTE_UNROLL
+    for (int i = 0; i < Traits::kQueryTilesPerWarp; ++i) {
+      int t = warp + i * Traits::kNWarps;
+      if (Traits::kQueryTiles % Traits::kNWarps == 0 || t < Traits::kQueryTiles) {
+        int mt = t / kTilesD, dt = t % kTilesD;
+        mma_tile_corrected<kBlockN, false, false>(acc_dq[i], ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP,
+                                                  s_k + dt * 16, kLd, unscale.ds, p.fp16_correction);
+      }
+    }
+  }
+  __syncthreads();  // the staging tiles alias the scratch
+
+  float* stage = smem.scratch.data() + warp * 16 * 16;
+  auto* dq = static_cast<half_t*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
+  CUTE_UNROLL
+  for (int i = 0; i < Traits::kQueryTilesPerWarp; ++i) {
+    int t = warp + i * Traits::kNWarps;
+    if (Traits::kQueryTiles % Traits::kNWarps == 0 || t < Traits::kQueryTiles) {
+      int mt = t / kTilesD, dt = t % kTilesD;
+      int row0 = m_block * kBlockM + mt * 16;
+      store_tile_fp16(acc_dq[i], p.softmax_scale, stage, dq + int64_t(row0) * p.dq_row_stride + dt * 16,
+                      p.dq_row_stride, p.seqlen_q - row0, p.head_dim - dt * 16);
+    }
+  }
+}
+
+}  // namespace cuteflash::sm70

@@ -1,0 +1,117 @@
+// Building blocks of the sm70 kernels: WMMA 16x16x16 fp16 products with fp32 accumulation on row-major
+// shared-memory tiles, their error-corrected form, and global <-> shared copies without cp.async.
+#pragma once
+
+#include <mma.h>
+
+#include <type_traits>
+
+#include "cuteflash/utils.cuh"
+
+namespace cuteflash::sm70 {
+
+using namespace cute;
+
+using FragA = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half, nvcuda::wmma::row_major>;
+using FragBRow = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half, nvcuda::wmma::row_major>;
+using FragBCol = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half, nvcuda::wmma::col_major>;
+using FragAcc = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>;
+
+// The split of error-corrected fp16: x = hi + 2^-11 lo with hi = fp16(x), lo = fp16((x - hi) 2^11).
+constexpr float kLoScale = 2048.f;
+
+__device__ __forceinline__ void split_hi_lo(float x, __half& hi, __half& lo) {
+  hi = __float2half_rn(x);
+  lo = __float2half_rn((x - __half2float(hi)) * kLoScale);
+}
+
+// A operand of a 16 x K slice: row-major A (a[i lda + k]), or, with kTransposed, A^T stored row-major
+// (a[k lda + i], e.g. P^T read from P).
+template <bool kTransposed>
+using FragAOf = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half,
+                                       std::conditional_t<kTransposed, nvcuda::wmma::col_major, nvcuda::wmma::row_major>>;
+template <bool kTransposed>
+using FragBOf = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half,
+                                       std::conditional_t<kTransposed, nvcuda::wmma::col_major, nvcuda::wmma::row_major>>;
+
+// Address of the k-th 16-wide step along K of an operand tile.
+template <bool kAlongRows>
+__device__ __forceinline__ __half const* k_step(__half const* base, int ld, int k) {
+  return kAlongRows ? base + k * 16 * ld : base + k * 16;
+}
+
+// acc += A B for one 16x16 output tile, K = kK: A (16 x kK) and B (kK x 16) in shared memory, each
+// row-major or (kATransposed / kBTransposed) stored as its transpose.
+template <int kK, bool kATransposed, bool kBTransposed>
+__device__ __forceinline__ void mma_tile(FragAcc& acc, __half const* a, int lda, __half const* b, int ldb) {
+  CUTE_UNROLL
+  for (int k = 0; k < kK / 16; ++k) {
+    FragAOf<kATransposed> fa;
+    FragBOf<kBTransposed> fb;
+    nvcuda::wmma::load_matrix_sync(fa, k_step<kATransposed>(a, lda, k), lda);
+    nvcuda::wmma::load_matrix_sync(fb, k_step<!kBTransposed>(b, ldb, k), ldb);
+    nvcuda::wmma::mma_sync(acc, fa, fb, acc);
+  }
+}
+
+// acc += scale (A_hi + 2^-11 A_lo) B: the error-corrected product of an fp32 A (split into a_hi, a_lo
+// of the same layout) with an fp16 B, both partial products accumulated in fp32. Without `correction`
+// the lo product is skipped (plain fp16 A, for comparison). The uniform scale and 2^-11 need no
+// knowledge of WMMA's (unspecified) accumulator layout.
+template <int kK, bool kATransposed, bool kBTransposed>
+__device__ __forceinline__ void mma_tile_corrected(FragAcc& acc, __half const* a_hi, __half const* a_lo, int lda,
+                                                   __half const* b, int ldb, float scale, bool correction) {
+  FragAcc hi_part, lo_part;
+  nvcuda::wmma::fill_fragment(hi_part, 0.f);
+  nvcuda::wmma::fill_fragment(lo_part, 0.f);
+  CUTE_UNROLL
+  for (int k = 0; k < kK / 16; ++k) {
+    FragBOf<kBTransposed> fb;
+    nvcuda::wmma::load_matrix_sync(fb, k_step<!kBTransposed>(b, ldb, k), ldb);
+    FragAOf<kATransposed> fa;
+    nvcuda::wmma::load_matrix_sync(fa, k_step<kATransposed>(a_hi, lda, k), lda);
+    nvcuda::wmma::mma_sync(hi_part, fa, fb, hi_part);
+    if (correction) {
+      nvcuda::wmma::load_matrix_sync(fa, k_step<kATransposed>(a_lo, lda, k), lda);
+      nvcuda::wmma::mma_sync(lo_part, fa, fb, lo_part);
+    }
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < acc.num_elements; ++i) acc.x[i] += (hi_part.x[i] + lo_part.x[i] * (1.f / kLoScale)) * scale;
+}
+
+// Global -> shared copies of (kRows, kHeadDim) fp16 tiles through registers, 16 bytes per thread
+// (Volta has no cp.async): kThreadsPerRow threads per row, as many threads of the block as the tile
+// can use (the rest skip the copy).
+template <int kRows, int kHeadDim, int kNThreads>
+struct GmemTileCopy {
+  static constexpr int kThreadsPerRow = kHeadDim % 64 == 0 ? 8 : 4;
+  static constexpr int kThreads = kRows * kThreadsPerRow < kNThreads ? kRows * kThreadsPerRow : kNThreads;
+  static_assert(kRows % (kThreads / kThreadsPerRow) == 0);
+  using TiledCopy = decltype(make_tiled_copy(
+      Copy_Atom<UniversalCopy<uint128_t>, half_t>{},
+      Layout<Shape<Int<kThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>{},
+      Layout<Shape<_1, _8>>{}));
+
+  // gmem: (kRows, kHeadDim) view of global memory; smem: the same shape in shared memory. Rows from
+  // rows_left and columns from head_dim on are zero-filled.
+  template <typename GTensor, typename STensor>
+  __device__ static void copy(GTensor const& gmem, STensor& smem, int rows_left, int head_dim, int tid) {
+    if (tid >= kThreads) return;
+    TiledCopy tiled_copy;
+    auto thr = tiled_copy.get_thread_slice(tid);
+    Tensor coord = thr.partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
+    copy_tile_bounded<true>(tiled_copy, thr.partition_S(gmem), thr.partition_D(smem), coord, rows_left, head_dim);
+  }
+};
+
+// (seqlen, kHeadDim) rows of one (batch, head) of a flash-attn layout tensor, cut into (kRows, kHeadDim)
+// tiles: (kRows, kHeadDim, n_tiles).
+template <int kRows, int kHeadDim>
+__device__ __forceinline__ auto head_rows(__half const* base, int64_t offset, int seqlen, int64_t row_stride) {
+  Tensor m = make_tensor(make_gmem_ptr(reinterpret_cast<half_t const*>(base) + offset),
+                         make_shape(seqlen, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+  return local_tile(m, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(_, 0));
+}
+
+}  // namespace cuteflash::sm70

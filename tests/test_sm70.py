@@ -1,0 +1,79 @@
+"""The sm70 family's error-corrected fp16: what it buys against plain fp16 on a stress case, measured
+against float64. Runs where the sm70 family serves the GPU (a V100/T4, or CUTEFLASH_BACKEND=sm70 with
+the family compiled for the test GPU)."""
+
+import pytest
+import torch
+
+from cuteflash import flash_attn_func
+from cuteflash._lib import select_family
+from cuteflash._ops import SM70_CORRECTION_ENV
+from cuteflash.reference import attention_ref
+from helpers import max_err
+from test_bwd import reference_grads
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_sm70():
+    if select_family(torch.device("cuda")) != "sm70":
+        pytest.skip("the sm70 family does not serve this GPU (force it with CUTEFLASH_BACKEND=sm70)")
+
+
+def stress_case(seqlen, head_dim, logit_scale, dout_scale, seed=0):
+    """Long rows, a peaked softmax (q and k scaled up) and a small upstream gradient: P and dS span many
+    binades, and dS is far below fp16's normal range unless scaled."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (1, seqlen, 1, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", generator=g) for _ in range(3))
+    dout = torch.randn(shape, device="cuda", generator=g) * dout_scale
+    return [t.half() for t in (q * logit_scale, k * logit_scale, v, dout)]
+
+
+def cuteflash_grads(q, k, v, dout, causal):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    flash_attn_func(*leaves, causal=causal).backward(dout)
+    return [t.grad for t in leaves]
+
+
+def rounding_floor(ref: torch.Tensor) -> float:
+    """One unit in the last place of fp16 at the largest |ref|: rounding to fp16 alone can put an
+    output that far from the exact result (half of it, plus the kernel's tiny fp32 error)."""
+    _, exponent = torch.frexp(ref.abs().max())  # max = m 2^e, m in [0.5, 1): fp16 spacing 2^(e - 11)
+    return 2.0 ** (max(exponent.item(), -13) - 11)
+
+
+@pytest.mark.parametrize("seqlen,logit_scale,dout_scale", [(8192, 1.5, 1e-3), (16384, 1.0, 1e-4)])
+def test_backward_correction_halves_the_error(seqlen, logit_scale, dout_scale, monkeypatch):
+    q, k, v, dout = stress_case(seqlen, 64, logit_scale, dout_scale)
+    ref = reference_grads(q, k, v, dout, True, torch.float64)
+    pt = reference_grads(q, k, v, dout, True, torch.float16)
+    corrected = cuteflash_grads(q, k, v, dout, True)
+    monkeypatch.setenv(SM70_CORRECTION_ENV, "0")
+    plain = cuteflash_grads(q, k, v, dout, True)
+    errs = {}
+    for name, c, u, r, p in zip(("dq", "dk", "dv"), corrected, plain, ref, pt):
+        errs[name] = (max_err(c, r), max_err(u, r), max_err(p, r), rounding_floor(r))
+    print(f"\nseqlen {seqlen}, logits x{logit_scale}, dout x{dout_scale}: " + "; ".join(
+        f"{n}: corrected {c:.3e}, plain fp16 {u:.3e}, PyTorch fp16 {p:.3e}, fp16 rounding {f:.3e}"
+        for n, (c, u, p, f) in errs.items()))
+    for name, (err_c, err_u, err_pt, floor) in errs.items():
+        assert err_c <= 2 * err_pt + 1e-5, name
+        # Half the plain kernel's error, unless both are within the rounding of the output to fp16 (dv
+        # here: P is error-corrected, but the fp16 output's own rounding dominates both kernels' error).
+        assert err_c <= max(0.5 * err_u, floor), name
+
+
+def test_forward_correction_is_not_worse(monkeypatch):
+    q, k, v, _ = stress_case(16384, 128, 0.25, 1.0)  # near-uniform rows: P ~ 1/seqlen
+    out_ref, _ = attention_ref(q, k, v, causal=True, compute_dtype=torch.float64)
+    out_pt, _ = attention_ref(q, k, v, causal=True, compute_dtype=torch.float16)
+    corrected = flash_attn_func(q, k, v, causal=True)
+    monkeypatch.setenv(SM70_CORRECTION_ENV, "0")
+    plain = flash_attn_func(q, k, v, causal=True)
+    err_c, err_u, err_pt = max_err(corrected, out_ref), max_err(plain, out_ref), max_err(out_pt, out_ref)
+    print(f"\nforward, seqlen 16384, near-uniform: corrected {err_c:.3e}, plain fp16 {err_u:.3e}, "
+          f"PyTorch fp16 {err_pt:.3e}")
+    assert err_c <= 2 * err_pt + 1e-5
+    assert err_c <= err_u
