@@ -42,7 +42,9 @@ struct BwdParams : FwdParams {
   const void* dout;  // like q
   void* dk;          // (batch, seqlen_k, nheads, head_dim)
   void* dv;
-  float* dq_accum;   // (batch, seqlen_q, nheads, head_dim) fp32, zeroed; receives dS K (unscaled)
+  // (batch, round_up(seqlen_q, 128), nheads, kernel head dim) fp32, zeroed; receives dQ = dS K. Padded
+  // so that the sm80 kernel adds whole tiles without bounds checks (zeros into the padding).
+  float* dq_accum;
   void* dq;          // like q; written directly by the deterministic dQ kernel
   float* d_rowsum;   // D = rowsum(dO * O), (batch, nheads, seqlen_q) fp32, written by the preprocess kernel
 

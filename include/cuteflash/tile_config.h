@@ -34,6 +34,9 @@ constexpr TileConfig sm80_fwd_tile(int head_dim) {
                            : TileConfig{128, 64, 8};
 }
 
+// The opt-in shared memory per block of sm86, sm89 and sm120 GPUs (99 KB).
+constexpr int kSmallSmemBytes = 101376;
+
 // sm80 forward for devices with about 99 KB of shared memory per block (sm86, sm89, sm120): the
 // large-memory tile of head dims 224 and 256 does not fit there.
 constexpr TileConfig sm80_fwd_tile_small_smem(int head_dim) {
@@ -49,6 +52,13 @@ constexpr TileConfig sm80_bwd_tile(int head_dim) {
 // sQ, sdO, sK, sV, and sP, sdS (block_m x block_n each).
 constexpr int sm80_bwd_smem_bytes(TileConfig t, int head_dim, int elem_bytes) {
   return ((2 * t.block_m + 2 * t.block_n) * head_dim + 2 * t.block_m * t.block_n) * elem_bytes;
+}
+
+// sm80 backward for devices with about 99 KB of shared memory per block (sm86, sm89, sm120): 64 x 64
+// where the large tile does not fit (head dims 96 and 128). Head dims 192-256 have no tile there yet.
+constexpr TileConfig sm80_bwd_tile_small_smem(int head_dim) {
+  return sm80_bwd_smem_bytes(sm80_bwd_tile(head_dim), head_dim, 2) <= kSmallSmemBytes ? sm80_bwd_tile(head_dim)
+                                                                                     : TileConfig{64, 64, 8};
 }
 
 }  // namespace cuteflash

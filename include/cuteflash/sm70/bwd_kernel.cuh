@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
                                                  unscale.ds, p.fp16_correction);
       }
     }
-    if (!p.deterministic) {  // dQ += dS K / s, added to the fp32 buffer tile by tile
+    if (!p.deterministic) {  // dQ += scale dS K / s, added to the fp32 buffer tile by tile
       for (int t = warp; t < Traits::kQueryTiles; t += Traits::kNWarps) {
         int mt = t / kTilesD, dt = t % kTilesD;
         FragAcc acc;
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
         mma_tile_corrected<kBlockN, false, false>(acc, ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP,
                                                   s_k + dt * 16, kLd, unscale.ds, p.fp16_correction);
         int row0 = m_block * kBlockM + mt * 16;
-        red_add_tile(acc, 1.f, stage, dq_accum + int64_t(row0) * p.dq_accum_row_stride + dt * 16,
+        red_add_tile(acc, p.softmax_scale, stage, dq_accum + int64_t(row0) * p.dq_accum_row_stride + dt * 16,
                      p.dq_accum_row_stride, p.seqlen_q - row0, p.head_dim - dt * 16);
       }
     }

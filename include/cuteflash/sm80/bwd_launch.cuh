@@ -12,10 +12,14 @@ template <typename Element, int kHeadDim>
 void run_bwd(BwdParams const& p, cudaStream_t stream) {
   launch_bwd_preprocess<Element>(p, stream);
 
-  using Traits = typename BwdTraitsSelect<Element, kHeadDim>::type;
-  require_smem(Traits::kSmemBytes, "backward", kHeadDim);
-  dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
-  launch(&bwd_kernel<Traits>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm80 backward");
+  using Large = typename BwdTraitsSelect<Element, kHeadDim, false>::type;
+  using Small = typename BwdTraitsSelect<Element, kHeadDim, true>::type;
+  auto launch_one = [&](auto traits) {
+    using Traits = decltype(traits);
+    dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
+    launch(&bwd_kernel<Traits>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm80 backward");
+  };
+  launch_fitting<Large, Small>(launch_one, "backward", kHeadDim);  // the same type unless d is 96 or 128
 
   if (p.deterministic) {
     using DqT = DqTraits<Element, kHeadDim>;

@@ -144,9 +144,9 @@ struct BwdTraits {
   static_assert(kSmemBytes == sm80_bwd_smem_bytes(TileConfig{kBlockM, kBlockN, kNWarps}, kHeadDim, sizeof(Element)));
 };
 
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDim, bool kSmallSmem>
 struct BwdTraitsSelect {
-  static constexpr TileConfig kTile = sm80_bwd_tile(kHeadDim);
+  static constexpr TileConfig kTile = kSmallSmem ? sm80_bwd_tile_small_smem(kHeadDim) : sm80_bwd_tile(kHeadDim);
   using type = BwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n>;
 };
 
