@@ -1,13 +1,15 @@
 // sm70 forward kernel (Volta, Turing): WMMA fp16 tensor cores with error-corrected P V.
 //
-// WMMA keeps its accumulators' element-to-thread mapping unspecified, so O cannot be rescaled row by
-// row in registers as the sm80 kernel does. Instead each thread block makes two passes over its keys:
-//   pass 1: S = Q K^T  ->  exact row max m and row sum l (scores staged in a per-warp shared scratch,
-//           where lane 2r and 2r+1 own row r)
-//   pass 2: S = Q K^T again  ->  P = exp(scale (S - m)), split into hi = fp16(P) and
-//           lo = fp16((P - hi) 2^11)  ->  O += hi V + 2^-11 (lo V), all accumulated in fp32
-// and O / l is written at the end. The extra Q K^T costs a third more tensor-core work; the uniform
-// 2^-11 scale of the lo product needs no knowledge of the fragment layout.
+// FlashAttention-2's single pass with an online softmax. WMMA keeps its accumulators' element-to-thread
+// mapping unspecified, so the kernel learns it at run time: it loads a 16x16 tile whose entries are
+// their own row numbers into an accumulator fragment, which tells each thread the row of each of its
+// elements (every accumulator fragment of the type shares that mapping). Per key block, each warp:
+//   S = Q K^T (16 query rows) -> shared scratch, where lanes 2r and 2r+1 own row r
+//   -> new row max m, alpha = exp(m_old - m), P = exp(scale (S - m)) split into hi = fp16(P) and
+//      lo = fp16((P - hi) 2^11), row sum l
+//   -> O *= alpha (per element, by its row), O += hi V and O_lo += lo V, both in fp32
+// and O = (O + 2^-11 O_lo) / l at the end. Above head dim 128 there are not registers for O_lo: each
+// output tile's lo product is added right away instead.
 #pragma once
 
 #include "cuteflash/block_info.cuh"
@@ -50,8 +52,11 @@ struct FwdTraits {
     array_aligned<float, kNWarps * 16 * kLdS> s;
     array_aligned<Element, kNWarps * 16 * kLdP> p_hi;
     array_aligned<Element, kNWarps * 16 * kLdP> p_lo;
+    array_aligned<float, kNWarps * 16> alpha;  // each warp's row rescale factors of the current step
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  // O's lo products in their own accumulators (A fragments of P loaded once per step), where registers allow.
+  static constexpr bool kLoAccumulators = kHeadDim <= 128;
 };
 
 template <typename Traits>
@@ -112,104 +117,130 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   const int causal_limit = p.causal ? q_row + p.seqlen_k - p.seqlen_q + 1 : p.seqlen_k;
   const int key_limit = min(p.seqlen_k, causal_limit);  // keys < key_limit are visible to my row
 
-  // S = Q K^T of key block n into this warp's scratch, masked; with load_v, V[n] is loaded too.
-  auto scores = [&](int n_block, bool load_v) {
+  // The row (within its 16x16 tile) of each element of an accumulator fragment, learned from a tile of
+  // row numbers.
+  constexpr int kFragElems = FragAcc{}.num_elements;
+  int row_of[kFragElems];
+  {
+    CUTE_UNROLL
+    for (int c = 0; c < 8; ++c) scratch[my_row * Traits::kLdS + (lane % 2) * 8 + c] = float(my_row);
+    __syncwarp();
+    FragAcc rows;
+    wmma::load_matrix_sync(rows, scratch, Traits::kLdS, wmma::mem_row_major);
+    CUTE_UNROLL
+    for (int i = 0; i < kFragElems; ++i) row_of[i] = int(rows.x[i]);
+    __syncwarp();
+  }
+
+  FragAcc acc_o[kHeadDim / 16];
+  FragAcc acc_lo[Traits::kLoAccumulators ? kHeadDim / 16 : 1];
+  CUTE_UNROLL
+  for (int j = 0; j < kHeadDim / 16; ++j) wmma::fill_fragment(acc_o[j], 0.f);
+  CUTE_UNROLL
+  for (int j = 0; j < int(sizeof(acc_lo) / sizeof(FragAcc)); ++j) wmma::fill_fragment(acc_lo[j], 0.f);
+  float* alpha_rows = smem.alpha.data() + warp * 16;
+  float m = -INFINITY;  // running row max, and the lane's part of the running row sum
+  float l = 0.f;
+
+  for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
     __syncthreads();  // no warp still reads sK / sV
     int keys_left = p.seqlen_k - n_block * kBlockN;
     copy_tile_bounded<true>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, keys_left, p.head_dim);
-    if (load_v) copy_tile_bounded<true>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, keys_left, p.head_dim);
+    copy_tile_bounded<true>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, keys_left, p.head_dim);
     __syncthreads();
-    FragAcc acc[kBlockN / 16];
-    CUTE_UNROLL
-    for (int j = 0; j < kBlockN / 16; ++j) wmma::fill_fragment(acc[j], 0.f);
-    CUTE_UNROLL
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      FragA a;
-      wmma::load_matrix_sync(a, reinterpret_cast<__half const*>(smem.q.data()) + warp * 16 * kLd + kk * 16, kLd);
-      CUTE_UNROLL
-      for (int j = 0; j < kBlockN / 16; ++j) {
-        FragBCol b;  // K^T: element (k, n) is K[n][k]
-        wmma::load_matrix_sync(b, reinterpret_cast<__half const*>(smem.k.data()) + j * 16 * kLd + kk * 16, kLd);
-        wmma::mma_sync(acc[j], a, b, acc[j]);
-      }
-    }
-    CUTE_UNROLL
-    for (int j = 0; j < kBlockN / 16; ++j) {
-      wmma::store_matrix_sync(scratch + j * 16, acc[j], Traits::kLdS, wmma::mem_row_major);
-    }
-    __syncwarp();
-    float* my = scratch + my_row * Traits::kLdS + my_col0;
-    int col0 = n_block * kBlockN + my_col0;
-    CUTE_UNROLL
-    for (int c = 0; c < kColsPerLane; ++c) {
-      if (col0 + c >= key_limit) my[c] = -INFINITY;
-    }
-  };
 
-  // ---- Pass 1: the exact row max and row sum (lane-partial; the pair of lanes holds the row).
-  float m = -INFINITY;
-  float l = 0.f;
-  for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
-    scores(n_block, false);
-    float const* my = scratch + my_row * Traits::kLdS + my_col0;
-    float block_max = -INFINITY;
-    CUTE_UNROLL
-    for (int c = 0; c < kColsPerLane; ++c) block_max = fmaxf(block_max, my[c]);
-    float m_new = fmaxf(m, fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1)));
-    float m_scaled = m_new == -INFINITY ? 0.f : m_new * p.softmax_scale_log2;
-    float sum = 0.f;
-    CUTE_UNROLL
-    for (int c = 0; c < kColsPerLane; ++c) sum += exp2_approx(my[c] * p.softmax_scale_log2 - m_scaled);
-    l = l * exp2_approx(m * p.softmax_scale_log2 - m_scaled) + sum;
-    m = m_new;
-    __syncwarp();
-  }
-  l += __shfl_xor_sync(0xffffffff, l, 1);
-  const float m_scaled = m == -INFINITY ? 0.f : m * p.softmax_scale_log2;
-
-  // ---- Pass 2: O = sum over key blocks of P V with P = exp(scale (S - m)), error-corrected.
-  FragAcc acc_o[kHeadDim / 16];
-  CUTE_UNROLL
-  for (int j = 0; j < kHeadDim / 16; ++j) wmma::fill_fragment(acc_o[j], 0.f);
-  for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
-    scores(n_block, true);
-    float const* my = scratch + my_row * Traits::kLdS + my_col0;
-    CUTE_UNROLL
-    for (int c = 0; c < kColsPerLane; ++c) {
-      float prob = exp2_approx(my[c] * p.softmax_scale_log2 - m_scaled);
-      __half hi = __float2half_rn(prob);
-      p_hi[my_row * Traits::kLdP + my_col0 + c] = hi;
-      p_lo[my_row * Traits::kLdP + my_col0 + c] = __float2half_rn((prob - __half2float(hi)) * 2048.f);
-    }
-    __syncwarp();
-    CUTE_UNROLL
-    for (int j = 0; j < kHeadDim / 16; ++j) {
-      FragAcc lo_part;
-      wmma::fill_fragment(lo_part, 0.f);
+    // S = Q K^T into this warp's scratch.
+    {
+      FragAcc acc[kBlockN / 16];
       CUTE_UNROLL
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        FragBRow b;  // V: element (k, n) is V[k][n]
-        wmma::load_matrix_sync(b, reinterpret_cast<__half const*>(smem.v.data()) + kk * 16 * kLd + j * 16, kLd);
+      for (int j = 0; j < kBlockN / 16; ++j) wmma::fill_fragment(acc[j], 0.f);
+      CUTE_UNROLL
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
         FragA a;
-        wmma::load_matrix_sync(a, p_hi + kk * 16, Traits::kLdP);
-        wmma::mma_sync(acc_o[j], a, b, acc_o[j]);
-        if (p.fp16_correction) {
-          wmma::load_matrix_sync(a, p_lo + kk * 16, Traits::kLdP);
-          wmma::mma_sync(lo_part, a, b, lo_part);
+        wmma::load_matrix_sync(a, reinterpret_cast<__half const*>(smem.q.data()) + warp * 16 * kLd + kk * 16, kLd);
+        CUTE_UNROLL
+        for (int j = 0; j < kBlockN / 16; ++j) {
+          FragBCol b;  // K^T: element (k, n) is K[n][k]
+          wmma::load_matrix_sync(b, reinterpret_cast<__half const*>(smem.k.data()) + j * 16 * kLd + kk * 16, kLd);
+          wmma::mma_sync(acc[j], a, b, acc[j]);
         }
       }
       CUTE_UNROLL
-      for (int i = 0; i < lo_part.num_elements; ++i) acc_o[j].x[i] += lo_part.x[i] * (1.f / 2048.f);
+      for (int j = 0; j < kBlockN / 16; ++j) {
+        wmma::store_matrix_sync(scratch + j * 16, acc[j], Traits::kLdS, wmma::mem_row_major);
+      }
     }
-    __syncwarp();  // the scratch and P are rewritten by the next block
-  }
+    __syncwarp();
 
-  // ---- Epilogue: O / l through the scratch, one 16x16 tile at a time; lse = m scale + log(l).
+    // Online softmax of my row's half of the block: new max, rescale factor, P as hi / lo, row sum.
+    float const* my = scratch + my_row * Traits::kLdS + my_col0;
+    const int col0 = n_block * kBlockN + my_col0;
+    float block_max = -INFINITY;
+    CUTE_UNROLL
+    for (int c = 0; c < kColsPerLane; ++c) block_max = fmaxf(block_max, col0 + c < key_limit ? my[c] : -INFINITY);
+    const float m_new = fmaxf(m, fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1)));
+    const float m_scaled = m_new == -INFINITY ? 0.f : m_new * p.softmax_scale_log2;
+    const float alpha = exp2_approx(m * p.softmax_scale_log2 - m_scaled);  // 0 while O is still 0
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < kColsPerLane; ++c) {
+      float prob = col0 + c < key_limit ? exp2_approx(my[c] * p.softmax_scale_log2 - m_scaled) : 0.f;
+      sum += prob;
+      split_hi_lo(prob, p_hi[my_row * Traits::kLdP + my_col0 + c], p_lo[my_row * Traits::kLdP + my_col0 + c]);
+    }
+    l = l * alpha + sum;
+    m = m_new;
+    if (lane % 2 == 0) alpha_rows[my_row] = alpha;
+    __syncwarp();
+
+    // O *= alpha by rows, then O += hi V (+ 2^-11 lo V).
+    float alpha_of[kFragElems];
+    CUTE_UNROLL
+    for (int i = 0; i < kFragElems; ++i) alpha_of[i] = alpha_rows[row_of[i]];
+    CUTE_UNROLL
+    for (int j = 0; j < kHeadDim / 16; ++j) {
+      CUTE_UNROLL
+      for (int i = 0; i < kFragElems; ++i) {
+        acc_o[j].x[i] *= alpha_of[i];
+        if constexpr (Traits::kLoAccumulators) acc_lo[j].x[i] *= alpha_of[i];
+      }
+    }
+    auto const* sv = reinterpret_cast<__half const*>(smem.v.data());
+    if constexpr (Traits::kLoAccumulators) {
+      CUTE_UNROLL
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        FragA a_hi, a_lo;
+        wmma::load_matrix_sync(a_hi, p_hi + kk * 16, Traits::kLdP);
+        if (p.fp16_correction) wmma::load_matrix_sync(a_lo, p_lo + kk * 16, Traits::kLdP);
+        CUTE_UNROLL
+        for (int j = 0; j < kHeadDim / 16; ++j) {
+          FragBRow b;  // V: element (k, n) is V[k][n]
+          wmma::load_matrix_sync(b, sv + kk * 16 * kLd + j * 16, kLd);
+          wmma::mma_sync(acc_o[j], a_hi, b, acc_o[j]);
+          if (p.fp16_correction) wmma::mma_sync(acc_lo[j], a_lo, b, acc_lo[j]);
+        }
+      }
+    } else {
+      CUTE_UNROLL
+      for (int j = 0; j < kHeadDim / 16; ++j) {
+        mma_tile_corrected<kBlockN, false, false>(acc_o[j], p_hi, p_lo, Traits::kLdP, sv + j * 16, kLd, 1.f,
+                                                  p.fp16_correction);
+      }
+    }
+    __syncwarp();  // the scratch, P and alpha are rewritten by the next block
+  }
+  l += __shfl_xor_sync(0xffffffff, l, 1);
+
+  // ---- Epilogue: (O + 2^-11 O_lo) / l through the scratch, one 16x16 tile at a time; lse = m scale + log(l).
   const bool empty = l == 0.f;  // no visible key: O = 0, lse = +inf (as the sm80 kernel)
   const float inv = empty ? 0.f : 1.f / l;
   auto* out = static_cast<Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
   CUTE_UNROLL
   for (int j = 0; j < kHeadDim / 16; ++j) {
+    if constexpr (Traits::kLoAccumulators) {
+      CUTE_UNROLL
+      for (int i = 0; i < kFragElems; ++i) acc_o[j].x[i] += acc_lo[j].x[i] * (1.f / kLoScale);
+    }
     wmma::store_matrix_sync(scratch, acc_o[j], Traits::kLdS, wmma::mem_row_major);
     __syncwarp();
     CUTE_UNROLL
