@@ -68,6 +68,17 @@ struct BwdTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
 
+// Calls f(i, tile_row, tile_col) for each of this warp's 16x16 output tiles of a product with kTiles
+// tiles, kTileCols to a row, dealt to the warps round-robin (i: the warp's i-th tile).
+template <int kTiles, int kTileCols, int kNWarps, typename F>
+__device__ __forceinline__ void for_warp_tiles(int warp, F&& f) {
+  CUTE_UNROLL
+  for (int i = 0; i < ceil_div(kTiles, kNWarps); ++i) {
+    int t = warp + i * kNWarps;
+    if (kTiles % kNWarps == 0 || t < kTiles) f(i, t / kTileCols, t % kTileCols);
+  }
+}
+
 // The factors that undo a step's scaling of P and dS in the products that use them.
 struct Unscale {
   float p;
@@ -256,20 +267,14 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
     const Unscale unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
 
     // dV += P^T dO / 2^15 and dK += dS^T Q / s: A read transposed from P / dS, K = the step's queries.
-    CUTE_UNROLL
-    for (int i = 0; i < Traits::kKeyTilesPerWarp; ++i) {
-      int t = warp + i * Traits::kNWarps;
-      if (Traits::kKeyTiles % Traits::kNWarps == 0 || t < Traits::kKeyTiles) {
-        int nt = t / kTilesD, dt = t % kTilesD;
-        mma_tile_corrected<kBlockM, true, false>(acc_dv[i], p_hi + nt * 16, p_lo + nt * 16, kLdP, s_do + dt * 16, kLd,
-                                                 unscale.p, p.fp16_correction);
-        mma_tile_corrected<kBlockM, true, false>(acc_dk[i], ds_hi + nt * 16, ds_lo + nt * 16, kLdP, s_q + dt * 16, kLd,
-                                                 unscale.ds, p.fp16_correction);
-      }
-    }
+    for_warp_tiles<Traits::kKeyTiles, kTilesD, Traits::kNWarps>(warp, [&](int i, int nt, int dt) {
+      mma_tile_corrected<kBlockM, true, false>(acc_dv[i], p_hi + nt * 16, p_lo + nt * 16, kLdP, s_do + dt * 16, kLd,
+                                               unscale.p, p.fp16_correction);
+      mma_tile_corrected<kBlockM, true, false>(acc_dk[i], ds_hi + nt * 16, ds_lo + nt * 16, kLdP, s_q + dt * 16, kLd,
+                                               unscale.ds, p.fp16_correction);
+    });
     if (!p.deterministic) {  // dQ += scale dS K / s, added to the fp32 buffer tile by tile
-      for (int t = warp; t < Traits::kQueryTiles; t += Traits::kNWarps) {
-        int mt = t / kTilesD, dt = t % kTilesD;
+      for_warp_tiles<Traits::kQueryTiles, kTilesD, Traits::kNWarps>(warp, [&](int, int mt, int dt) {
         FragAcc acc;
         nvcuda::wmma::fill_fragment(acc, 0.f);
         mma_tile_corrected<kBlockN, false, false>(acc, ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP,
@@ -277,7 +282,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
         int row0 = m_block * kBlockM + mt * 16;
         red_add_tile(acc, p.softmax_scale, stage, dq_accum + int64_t(row0) * p.dq_accum_row_stride + dt * 16,
                      p.dq_accum_row_stride, p.seqlen_q - row0, p.head_dim - dt * 16);
-      }
+      });
     }
   }
   __syncthreads();  // the staging tiles alias the scratch: no warp still reads it (also with no step)
@@ -285,18 +290,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   // dK = scale dS^T Q and dV, in the input dtype; a key block that no query sees gets zeros.
   auto* dk = static_cast<half_t*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride;
   auto* dv = static_cast<half_t*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride;
-  CUTE_UNROLL
-  for (int i = 0; i < Traits::kKeyTilesPerWarp; ++i) {
-    int t = warp + i * Traits::kNWarps;
-    if (Traits::kKeyTiles % Traits::kNWarps == 0 || t < Traits::kKeyTiles) {
-      int nt = t / kTilesD, dt = t % kTilesD;
-      int row0 = n_block * kBlockN + nt * 16;
-      store_tile_fp16(acc_dk[i], p.softmax_scale, stage, dk + int64_t(row0) * p.dk_row_stride + dt * 16,
-                      p.dk_row_stride, p.seqlen_k - row0, p.head_dim - dt * 16);
-      store_tile_fp16(acc_dv[i], 1.f, stage, dv + int64_t(row0) * p.dv_row_stride + dt * 16, p.dv_row_stride,
-                      p.seqlen_k - row0, p.head_dim - dt * 16);
-    }
-  }
+  for_warp_tiles<Traits::kKeyTiles, kTilesD, Traits::kNWarps>(warp, [&](int i, int nt, int dt) {
+    int row0 = n_block * kBlockN + nt * 16;
+    store_tile_fp16(acc_dk[i], p.softmax_scale, stage, dk + int64_t(row0) * p.dk_row_stride + dt * 16,
+                    p.dk_row_stride, p.seqlen_k - row0, p.head_dim - dt * 16);
+    store_tile_fp16(acc_dv[i], 1.f, stage, dv + int64_t(row0) * p.dv_row_stride + dt * 16, p.dv_row_stride,
+                    p.seqlen_k - row0, p.head_dim - dt * 16);
+  });
 }
 
 // Deterministic dQ: one thread block per query block walks the key blocks it sees in a fixed order,
@@ -355,30 +355,20 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
     Traits::CopyKV::copy(gV(_, _, n_block), sV, keys_left, p.head_dim, tid);
     __syncthreads();
     const Unscale unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
-    CUTE_UNROLL
-    for (int i = 0; i < Traits::kQueryTilesPerWarp; ++i) {
-      int t = warp + i * Traits::kNWarps;
-      if (Traits::kQueryTiles % Traits::kNWarps == 0 || t < Traits::kQueryTiles) {
-        int mt = t / kTilesD, dt = t % kTilesD;
-        mma_tile_corrected<kBlockN, false, false>(acc_dq[i], ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP,
-                                                  s_k + dt * 16, kLd, unscale.ds, p.fp16_correction);
-      }
-    }
+    for_warp_tiles<Traits::kQueryTiles, kTilesD, Traits::kNWarps>(warp, [&](int i, int mt, int dt) {
+      mma_tile_corrected<kBlockN, false, false>(acc_dq[i], ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP,
+                                                s_k + dt * 16, kLd, unscale.ds, p.fp16_correction);
+    });
   }
   __syncthreads();  // the staging tiles alias the scratch
 
   float* stage = smem.scratch.data() + warp * 16 * 16;
   auto* dq = static_cast<half_t*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
-  CUTE_UNROLL
-  for (int i = 0; i < Traits::kQueryTilesPerWarp; ++i) {
-    int t = warp + i * Traits::kNWarps;
-    if (Traits::kQueryTiles % Traits::kNWarps == 0 || t < Traits::kQueryTiles) {
-      int mt = t / kTilesD, dt = t % kTilesD;
-      int row0 = m_block * kBlockM + mt * 16;
-      store_tile_fp16(acc_dq[i], p.softmax_scale, stage, dq + int64_t(row0) * p.dq_row_stride + dt * 16,
-                      p.dq_row_stride, p.seqlen_q - row0, p.head_dim - dt * 16);
-    }
-  }
+  for_warp_tiles<Traits::kQueryTiles, kTilesD, Traits::kNWarps>(warp, [&](int i, int mt, int dt) {
+    int row0 = m_block * kBlockM + mt * 16;
+    store_tile_fp16(acc_dq[i], p.softmax_scale, stage, dq + int64_t(row0) * p.dq_row_stride + dt * 16,
+                    p.dq_row_stride, p.seqlen_q - row0, p.head_dim - dt * 16);
+  });
 }
 
 }  // namespace cuteflash::sm70
