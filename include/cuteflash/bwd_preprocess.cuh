@@ -1,4 +1,5 @@
-// The backward pass's first kernel, shared by both families: D = rowsum(dO * O) per query row, in fp32.
+// The backward pass's first kernel, shared by both families: D = rowsum(dO * O) per query row, in fp32;
+// and the per-row statistics the main kernels read (the forward's lse and this D).
 #pragma once
 
 #include "cuteflash/launch.h"
@@ -31,6 +32,17 @@ __global__ void bwd_preprocess_kernel(const BwdParams p) {
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
   if (lane == 0) p.d_rowsum[(int64_t(batch) * p.nheads + head) * p.seqlen_q + row] = sum;
 }
+
+// The lse (times log2 e) and D of a query row; rows past seqlen_q get P = 0 and dS = 0.
+struct RowStats {
+  float lse_log2;
+  float d;
+  __device__ RowStats(BwdParams const& p, int64_t row_stats, int row) {
+    bool valid = row < p.seqlen_q;
+    lse_log2 = valid ? p.lse[row_stats + row] * 1.4426950408889634f : INFINITY;
+    d = valid ? p.d_rowsum[row_stats + row] : 0.f;
+  }
+};
 
 template <typename Element>
 void launch_bwd_preprocess(BwdParams const& p, cudaStream_t stream) {

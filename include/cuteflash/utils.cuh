@@ -82,6 +82,15 @@ __device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& s
   return dst;
 }
 
+// (kRows, kHeadDim) tile of a (seqlen, head_dim) matrix of one (batch, head), for blocks along rows.
+template <int kRows, int kHeadDim, typename Element>
+__device__ __forceinline__ auto head_tiles(Element* base, int64_t batch_offset, int64_t head_offset, int seqlen,
+                                           int64_t row_stride) {
+  Tensor m = make_tensor(make_gmem_ptr(base + batch_offset + head_offset), make_shape(seqlen, Int<kHeadDim>{}),
+                         make_stride(row_stride, _1{}));
+  return local_tile(m, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kRows, kHeadDim, n_tiles)
+}
+
 // Copy a partitioned tile (CPY, CPY_ROWS, CPY_COLS) whose rows or columns may run past the tensor:
 // `coord` is the identity tensor partitioned the same way, giving each chunk's (row, col) in the tile.
 // Chunks outside [0, max_rows) x [0, max_cols) are skipped, or zero-filled in `dst` when `kZeroFill`.

@@ -19,6 +19,15 @@ except ImportError as e:  # a source checkout, or a build for another Python
 BACKEND_ENV = "CUTEFLASH_BACKEND"
 # Head dims with a kernel (kHeadDims in include/cuteflash/tile_config.h); others run the next larger one.
 KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+def kernel_head_dim(head_dim: int) -> int | None:
+    """The kernel head dim that serves head_dim (after padding to a multiple of 8), None above 256;
+    round_up_head_dim in include/cuteflash/tile_config.h."""
+    padded = -(-head_dim // 8) * 8
+    return next((hd for hd in KERNEL_HEAD_DIMS if hd >= padded), None)
+
+
 _KERNEL_NAME = re.compile(r"run_(?P<direction>\w+?)_(?P<family>sm\d+)_(?P<dtype>\w+?)_hd(?P<head_dim>\d+)$")
 _DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16"}
 

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from ._lib import KERNEL_HEAD_DIMS, build_info, compiled_module, select_family
+from ._lib import build_info, compiled_module, kernel_head_dim, select_family
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 SM70_CORRECTION_ENV = "CUTEFLASH_SM70_CORRECTION"
@@ -115,8 +115,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     else:
         dq = torch.empty((0, 0, 0, 0), dtype=q.dtype, device=q.device)
         # Padded to whole 128-row blocks and the kernel's head dim: the kernel adds whole tiles (params.h).
-        kernel_head_dim = next(d for d in KERNEL_HEAD_DIMS if d >= head_dim)
-        dq_accum = torch.zeros((batch, -(-seqlen_q // 128) * 128, nheads, kernel_head_dim), **f32)
+        dq_accum = torch.zeros((batch, -(-seqlen_q // 128) * 128, nheads, kernel_head_dim(head_dim)), **f32)
     d_rowsum = torch.empty((batch, nheads, seqlen_q), **f32)
     # A dK/dV per query head (for MQA/GQA, summed over each group below).
     dk = torch.empty((batch, seqlen_k, nheads, head_dim), dtype=q.dtype, device=q.device)

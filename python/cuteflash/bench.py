@@ -110,11 +110,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def kernel_head_dim(head_dim: int, compiled) -> int | None:
-    """The kernel head dim that serves head_dim (the next compiled one after padding to 8), if any."""
-    from ._lib import KERNEL_HEAD_DIMS
+    """The kernel head dim that serves head_dim (the next one after padding to 8), if it is compiled."""
+    from ._lib import kernel_head_dim as serving_head_dim
 
-    padded = -(-head_dim // 8) * 8
-    serving = next((hd for hd in KERNEL_HEAD_DIMS if hd >= padded), None)
+    serving = serving_head_dim(head_dim)
     return serving if serving in compiled else None
 
 

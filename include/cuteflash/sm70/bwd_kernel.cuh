@@ -15,6 +15,7 @@
 #pragma once
 
 #include "cuteflash/block_info.cuh"
+#include "cuteflash/bwd_preprocess.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/sm70/wmma.cuh"
 
@@ -83,17 +84,6 @@ __device__ __forceinline__ void for_warp_tiles(int warp, F&& f) {
 struct Unscale {
   float p;
   float ds;
-};
-
-// The lse (times log2 e) and D of a query row; rows past seqlen_q get P = 0 and dS = 0.
-struct RowStats {
-  float lse_log2;
-  float d;
-  __device__ RowStats(BwdParams const& p, int64_t row_stats, int row) {
-    bool valid = row < p.seqlen_q;
-    lse_log2 = valid ? p.lse[row_stats + row] * 1.4426950408889634f : INFINITY;
-    d = valid ? p.d_rowsum[row_stats + row] : 0.f;
-  }
 };
 
 // One step of either kernel: query block m_block against key block n_block, with Q, dO, K and V of the
@@ -168,23 +158,6 @@ __device__ Unscale probs_and_grads(typename Traits::SharedStorage& smem, BwdPara
   return {1.f / p_scale, 1.f / ds_scale};
 }
 
-// Writes acc * scale (a 16x16 fp32 tile) as fp16 to out, a row-major global matrix, through the warp's
-// shared staging tile: rows below rows_valid, columns below cols_valid (a multiple of 8).
-__device__ __forceinline__ void store_tile_fp16(FragAcc const& acc, float scale, float* stage, half_t* out,
-                                                int64_t row_stride, int rows_valid, int cols_valid) {
-  const int lane = threadIdx.x % 32;
-  nvcuda::wmma::store_matrix_sync(stage, acc, 16, nvcuda::wmma::mem_row_major);
-  __syncwarp();
-  const int r = lane / 2, c0 = (lane % 2) * 8;
-  if (r < rows_valid && c0 < cols_valid) {
-    cutlass::Array<half_t, 8> packed;
-    CUTE_UNROLL
-    for (int c = 0; c < 8; ++c) packed[c] = half_t(stage[r * 16 + c0 + c] * scale);
-    *reinterpret_cast<cutlass::Array<half_t, 8>*>(out + r * row_stride + c0) = packed;
-  }
-  __syncwarp();  // the staging tile is free
-}
-
 // Adds acc * scale (a 16x16 fp32 tile) into out (row-major fp32 in global memory) with atomic
 // reductions, rows below rows_valid, columns below cols_valid. Each instruction covers two rows of 16.
 __device__ __forceinline__ void red_add_tile(FragAcc const& acc, float scale, float* stage, float* out,
@@ -222,22 +195,20 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   const int m_block_max = ceil_div(p.seqlen_q, kBlockM);
   const int m_block_min = p.causal ? max(0, n_block * kBlockN - (p.seqlen_k - p.seqlen_q)) / kBlockM : 0;
 
-  auto const* q = static_cast<__half const*>(p.q);
-  auto const* dout = static_cast<__half const*>(p.dout);
-  Tensor gQ = head_rows<kBlockM, kHeadDim>(q, batch * p.q_batch_stride + head * p.q_head_stride, p.seqlen_q,
-                                           p.q_row_stride);
-  Tensor gdO = head_rows<kBlockM, kHeadDim>(dout, batch * p.do_batch_stride + head * p.do_head_stride, p.seqlen_q,
-                                            p.do_row_stride);
+  Tensor gQ = head_tiles<kBlockM, kHeadDim>(static_cast<half_t const*>(p.q), batch * p.q_batch_stride,
+                                            head * p.q_head_stride, p.seqlen_q, p.q_row_stride);
+  Tensor gdO = head_tiles<kBlockM, kHeadDim>(static_cast<half_t const*>(p.dout), batch * p.do_batch_stride,
+                                             head * p.do_head_stride, p.seqlen_q, p.do_row_stride);
   // gQ, gdO: (kBlockM, kHeadDim, m_blocks)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
-  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim>(static_cast<__half const*>(p.k), batch * p.k_batch_stride +
-                                                    head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride)(_, _, n_block),
+  Traits::CopyKV::copy(head_tiles<kBlockN, kHeadDim>(static_cast<half_t const*>(p.k), batch * p.k_batch_stride,
+                                                     head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride)(_, _, n_block),
                        sK, keys_left, p.head_dim, tid);
-  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim>(static_cast<__half const*>(p.v), batch * p.v_batch_stride +
-                                                    head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride)(_, _, n_block),
+  Traits::CopyKV::copy(head_tiles<kBlockN, kHeadDim>(static_cast<half_t const*>(p.v), batch * p.v_batch_stride,
+                                                     head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride)(_, _, n_block),
                        sV, keys_left, p.head_dim, tid);
 
   FragAcc acc_dk[Traits::kKeyTilesPerWarp], acc_dv[Traits::kKeyTilesPerWarp];
@@ -320,22 +291,20 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   const int warp = tid / 32;
   const int rows_left = p.seqlen_q - m_block * kBlockM;
 
-  Tensor gK = head_rows<kBlockN, kHeadDim>(static_cast<__half const*>(p.k),
-                                           batch * p.k_batch_stride + head_k * p.k_head_stride, p.seqlen_k,
-                                           p.k_row_stride);
-  Tensor gV = head_rows<kBlockN, kHeadDim>(static_cast<__half const*>(p.v),
-                                           batch * p.v_batch_stride + head_k * p.v_head_stride, p.seqlen_k,
-                                           p.v_row_stride);
+  Tensor gK = head_tiles<kBlockN, kHeadDim>(static_cast<half_t const*>(p.k), batch * p.k_batch_stride,
+                                            head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride);
+  Tensor gV = head_tiles<kBlockN, kHeadDim>(static_cast<half_t const*>(p.v), batch * p.v_batch_stride,
+                                            head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride);
   // gK, gV: (kBlockN, kHeadDim, n_blocks)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
-  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim>(static_cast<__half const*>(p.q), batch * p.q_batch_stride +
-                                                   head * p.q_head_stride, p.seqlen_q, p.q_row_stride)(_, _, m_block),
+  Traits::CopyQ::copy(head_tiles<kBlockM, kHeadDim>(static_cast<half_t const*>(p.q), batch * p.q_batch_stride,
+                                                    head * p.q_head_stride, p.seqlen_q, p.q_row_stride)(_, _, m_block),
                       sQ, rows_left, p.head_dim, tid);
-  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim>(static_cast<__half const*>(p.dout), batch * p.do_batch_stride +
-                                                   head * p.do_head_stride, p.seqlen_q, p.do_row_stride)(_, _, m_block),
+  Traits::CopyQ::copy(head_tiles<kBlockM, kHeadDim>(static_cast<half_t const*>(p.dout), batch * p.do_batch_stride,
+                                                    head * p.do_head_stride, p.seqlen_q, p.do_row_stride)(_, _, m_block),
                       sdO, rows_left, p.head_dim, tid);
   const RowStats row(p, (int64_t(batch) * p.nheads + head) * p.seqlen_q,
                      m_block * kBlockM + tid / Traits::kThreadsPerRow);

@@ -38,12 +38,8 @@ struct FwdTraits {
   using SmemLayoutQ = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
   using SmemLayoutKV = Layout<Shape<Int<kBlockN>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
 
-  // Global -> shared through registers, 16 bytes per thread (Volta has no cp.async).
-  static constexpr int kThreadsPerRow = kHeadDim % 64 == 0 ? 8 : 4;
-  using GmemTiledCopy = decltype(make_tiled_copy(
-      Copy_Atom<UniversalCopy<uint128_t>, Element>{},
-      Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>{},
-      Layout<Shape<_1, _8>>{}));
+  using CopyQ = GmemTileCopy<kBlockM, kHeadDim, kNThreads>;
+  using CopyKV = GmemTileCopy<kBlockN, kHeadDim, kNThreads>;
 
   struct SharedStorage {
     array_aligned<Element, cosize_v<SmemLayoutQ>> q;
@@ -86,15 +82,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   const int row_in_block = warp * 16 + my_row;
   const int q_row = m_block * kBlockM + row_in_block;
 
-  auto gmem_tiles = [&](void const* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride, int hd,
-                        int seqlen, auto rows) {
-    Tensor m = make_tensor(make_gmem_ptr(static_cast<Element const*>(base) + batch * batch_stride + hd * head_stride),
-                           make_shape(seqlen, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
-    return local_tile(m, Shape<decltype(rows), Int<kHeadDim>>{}, make_coord(_, 0));  // (rows, kHeadDim, n)
-  };
-  Tensor gQ = gmem_tiles(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, head, p.seqlen_q, Int<kBlockM>{});
-  Tensor gK = gmem_tiles(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, head_k, p.seqlen_k, Int<kBlockN>{});
-  Tensor gV = gmem_tiles(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, head_k, p.seqlen_k, Int<kBlockN>{});
+  Tensor gQ = head_tiles<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
+                                            head * p.q_head_stride, p.seqlen_q, p.q_row_stride);
+  Tensor gK = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
+                                            head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride);
+  Tensor gV = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
+                                            head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride);
+  // gQ: (kBlockM, kHeadDim, m_blocks); gK, gV: (kBlockN, kHeadDim, n_blocks)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});   // (kBlockM, kHeadDim)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
@@ -102,16 +96,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   __half* p_hi = reinterpret_cast<__half*>(smem.p_hi.data()) + warp * 16 * Traits::kLdP;
   __half* p_lo = reinterpret_cast<__half*>(smem.p_lo.data()) + warp * 16 * Traits::kLdP;
 
-  typename Traits::GmemTiledCopy gmem_copy;
-  auto gmem_thr = gmem_copy.get_thread_slice(tid);
-  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  Tensor tKgK = gmem_thr.partition_S(gK);  // (CPY, CPY_N, CPY_K, n_blocks)
-  Tensor tVgV = gmem_thr.partition_S(gV);
-  Tensor tKsK = gmem_thr.partition_D(sK);
-  Tensor tVsV = gmem_thr.partition_D(sV);
-  copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gQ(_, _, m_block)), gmem_thr.partition_D(sQ), tQcQ,
-                          rows_left, p.head_dim);
+  Traits::CopyQ::copy(gQ(_, _, m_block), sQ, rows_left, p.head_dim, tid);
 
   const KeyRange<kBlockM, kBlockN> keys(p, m_block);
   const int causal_limit = p.causal ? q_row + p.seqlen_k - p.seqlen_q + 1 : p.seqlen_k;
@@ -145,8 +130,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
     __syncthreads();  // no warp still reads sK / sV
     int keys_left = p.seqlen_k - n_block * kBlockN;
-    copy_tile_bounded<true>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, keys_left, p.head_dim);
-    copy_tile_bounded<true>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, keys_left, p.head_dim);
+    Traits::CopyKV::copy(gK(_, _, n_block), sK, keys_left, p.head_dim, tid);
+    Traits::CopyKV::copy(gV(_, _, n_block), sV, keys_left, p.head_dim, tid);
     __syncthreads();
 
     // S = Q K^T into this warp's scratch.
@@ -231,26 +216,24 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   }
   l += __shfl_xor_sync(0xffffffff, l, 1);
 
-  // ---- Epilogue: (O + 2^-11 O_lo) / l through the scratch, one 16x16 tile at a time; lse = m scale + log(l).
+  // ---- Epilogue: O = (O + 2^-11 O_lo) / l by rows, stored through the scratch; lse = m scale + log(l).
   const bool empty = l == 0.f;  // no visible key: O = 0, lse = +inf (as the sm80 kernel)
-  const float inv = empty ? 0.f : 1.f / l;
+  if (lane % 2 == 0) alpha_rows[my_row] = empty ? 0.f : 1.f / l;
+  __syncwarp();
+  float inv_of[kFragElems];
+  CUTE_UNROLL
+  for (int i = 0; i < kFragElems; ++i) inv_of[i] = alpha_rows[row_of[i]];
   auto* out = static_cast<Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+  const int row0 = m_block * kBlockM + warp * 16;  // this warp's first query row
   CUTE_UNROLL
   for (int j = 0; j < kHeadDim / 16; ++j) {
-    if constexpr (Traits::kLoAccumulators) {
-      CUTE_UNROLL
-      for (int i = 0; i < kFragElems; ++i) acc_o[j].x[i] += acc_lo[j].x[i] * (1.f / kLoScale);
-    }
-    wmma::store_matrix_sync(scratch, acc_o[j], Traits::kLdS, wmma::mem_row_major);
-    __syncwarp();
     CUTE_UNROLL
-    for (int c = 0; c < 8; ++c) {
-      int col = j * 16 + (lane % 2) * 8 + c;
-      if (q_row < p.seqlen_q && col < p.head_dim) {
-        out[int64_t(q_row) * p.o_row_stride + col] = Element(scratch[my_row * Traits::kLdS + (lane % 2) * 8 + c] * inv);
-      }
+    for (int i = 0; i < kFragElems; ++i) {
+      if constexpr (Traits::kLoAccumulators) acc_o[j].x[i] += acc_lo[j].x[i] * (1.f / kLoScale);
+      acc_o[j].x[i] *= inv_of[i];
     }
-    __syncwarp();
+    store_tile_fp16(acc_o[j], 1.f, scratch, out + int64_t(row0) * p.o_row_stride + j * 16, p.o_row_stride,
+                    p.seqlen_q - row0, p.head_dim - j * 16);
   }
   if (lane % 2 == 0 && q_row < p.seqlen_q) {
     p.lse[(int64_t(batch) * p.nheads + head) * p.seqlen_q + q_row] =

@@ -1,5 +1,6 @@
 // Building blocks of the sm70 kernels: WMMA 16x16x16 fp16 products with fp32 accumulation on row-major
-// shared-memory tiles, their error-corrected form, and global <-> shared copies without cp.async.
+// shared-memory tiles, their error-corrected form, global -> shared copies without cp.async, and stores
+// of accumulator tiles.
 #pragma once
 
 #include <mma.h>
@@ -80,6 +81,23 @@ __device__ __forceinline__ void mma_tile_corrected(FragAcc& acc, __half const* a
   for (int i = 0; i < acc.num_elements; ++i) acc.x[i] += (hi_part.x[i] + lo_part.x[i] * (1.f / kLoScale)) * scale;
 }
 
+// Writes acc * scale (a 16x16 fp32 tile) as fp16 to out, a row-major global matrix, through the warp's
+// shared staging tile: rows below rows_valid, columns below cols_valid (a multiple of 8).
+__device__ __forceinline__ void store_tile_fp16(FragAcc const& acc, float scale, float* stage, half_t* out,
+                                                int64_t row_stride, int rows_valid, int cols_valid) {
+  const int lane = threadIdx.x % 32;
+  nvcuda::wmma::store_matrix_sync(stage, acc, 16, nvcuda::wmma::mem_row_major);
+  __syncwarp();
+  const int r = lane / 2, c0 = (lane % 2) * 8;
+  if (r < rows_valid && c0 < cols_valid) {
+    cutlass::Array<half_t, 8> packed;
+    CUTE_UNROLL
+    for (int c = 0; c < 8; ++c) packed[c] = half_t(stage[r * 16 + c0 + c] * scale);
+    *reinterpret_cast<cutlass::Array<half_t, 8>*>(out + r * row_stride + c0) = packed;
+  }
+  __syncwarp();  // the staging tile is free
+}
+
 // Global -> shared copies of (kRows, kHeadDim) fp16 tiles through registers, 16 bytes per thread
 // (Volta has no cp.async): kThreadsPerRow threads per row, as many threads of the block as the tile
 // can use (the rest skip the copy).
@@ -104,14 +122,5 @@ struct GmemTileCopy {
     copy_tile_bounded<true>(tiled_copy, thr.partition_S(gmem), thr.partition_D(smem), coord, rows_left, head_dim);
   }
 };
-
-// (seqlen, kHeadDim) rows of one (batch, head) of a flash-attn layout tensor, cut into (kRows, kHeadDim)
-// tiles: (kRows, kHeadDim, n_tiles).
-template <int kRows, int kHeadDim>
-__device__ __forceinline__ auto head_rows(__half const* base, int64_t offset, int seqlen, int64_t row_stride) {
-  Tensor m = make_tensor(make_gmem_ptr(reinterpret_cast<half_t const*>(base) + offset),
-                         make_shape(seqlen, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
-  return local_tile(m, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(_, 0));
-}
 
 }  // namespace cuteflash::sm70

@@ -9,6 +9,7 @@
 // the products give dQ and dK directly.
 #pragma once
 
+#include "cuteflash/bwd_preprocess.cuh"
 #include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/sm80/fwd_kernel.cuh"
@@ -53,9 +54,9 @@ __device__ __forceinline__ void load_row_stats(BwdParams const& p, int64_t row_s
                                                float (&lse_log2)[kRows], float (&d)[kRows]) {
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
-    int row = row0 + get<0>(coord(mi, 0));
-    lse_log2[mi] = row < p.seqlen_q ? p.lse[row_stats + row] * 1.4426950408889634f : INFINITY;
-    d[mi] = row < p.seqlen_q ? p.d_rowsum[row_stats + row] : 0.f;
+    const RowStats row(p, row_stats, row0 + get<0>(coord(mi, 0)));
+    lse_log2[mi] = row.lse_log2;
+    d[mi] = row.d;
   }
 }
 

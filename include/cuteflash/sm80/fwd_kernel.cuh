@@ -51,15 +51,6 @@ __device__ __forceinline__ void gemm_rs(Acc& acc, RegA const& tCrA, RegB& tCrB, 
   }
 }
 
-// (kRows, kHeadDim) tile of a (seqlen, head_dim) matrix of one (batch, head), for blocks along rows.
-template <int kRows, int kHeadDim, typename Element>
-__device__ __forceinline__ auto head_tiles(Element* base, int64_t batch_offset, int64_t head_offset, int seqlen,
-                                           int64_t row_stride) {
-  Tensor m = make_tensor(make_gmem_ptr(base + batch_offset + head_offset), make_shape(seqlen, Int<kHeadDim>{}),
-                         make_stride(row_stride, _1{}));
-  return local_tile(m, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kRows, kHeadDim, n_tiles)
-}
-
 // Writes O from shared memory to global (rows < seqlen_q, columns < head_dim), 16 bytes per thread.
 template <typename Traits, typename SmemO, typename GmemO>
 __device__ __forceinline__ void store_o(SmemO const& sO, GmemO& gO, FwdParams const& p, int rows_left) {
