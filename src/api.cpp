@@ -118,7 +118,7 @@ void fwd(std::string const& family_name, int dtype_code, uintptr_t q, uintptr_t 
 void bwd(std::string const& family_name, int dtype_code, uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v,
          uintptr_t out, uintptr_t lse, uintptr_t dq, uintptr_t dq_accum, uintptr_t d_rowsum, uintptr_t dk,
          uintptr_t dv, Strides dout_strides, Strides q_strides, Strides k_strides, Strides v_strides,
-         Strides out_strides, Strides dq_strides, Strides dq_accum_strides, Strides dk_strides, Strides dv_strides,
+         Strides out_strides, Strides dq_strides, Strides dk_strides, Strides dv_strides,
          int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale,
          bool causal, bool fp16_correction, bool deterministic, uintptr_t stream) {
   Family family = parse_family(family_name);
@@ -132,22 +132,21 @@ void bwd(std::string const& family_name, int dtype_code, uintptr_t dout, uintptr
   check_operand("dk", dk, dk_strides);
   check_operand("dv", dv, dv_strides);
   require(d_rowsum != 0 && d_rowsum % 4 == 0, "d_rowsum must be an aligned float32 buffer");
-  if (deterministic) {
-    check_operand("dq", dq, dq_strides);  // written by the dQ kernel
-  } else {
+  check_operand("dq", dq, dq_strides);
+  if (!deterministic) {
     require(dq_accum != 0 && dq_accum % 16 == 0, "dq_accum must be an aligned float32 buffer");
   }
   p.dout = reinterpret_cast<void const*>(dout);
   p.dk = reinterpret_cast<void*>(dk);
   p.dv = reinterpret_cast<void*>(dv);
   p.dq_accum = reinterpret_cast<float*>(dq_accum);
+  p.dq_accum_rows = (seqlen_q + 127) / 128 * 128;
   p.dq = reinterpret_cast<void*>(dq);
   p.deterministic = deterministic;
   p.d_rowsum = reinterpret_cast<float*>(d_rowsum);
   set_strides(dout_strides, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
   set_strides(dk_strides, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
   set_strides(dv_strides, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
-  set_strides(dq_accum_strides, p.dq_accum_batch_stride, p.dq_accum_row_stride, p.dq_accum_head_stride);
   set_strides(dq_strides, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
   BwdFn launch = require_kernel(find_bwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family,
                                 family_name, "backward", head_dim);
@@ -182,7 +181,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("bwd", &cuteflash::bwd, py::arg("family"), py::arg("dtype"), py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dq_accum"), py::arg("d_rowsum"),
         py::arg("dk"), py::arg("dv"), py::arg("dout_strides"), py::arg("q_strides"), py::arg("k_strides"),
-        py::arg("v_strides"), py::arg("out_strides"), py::arg("dq_strides"), py::arg("dq_accum_strides"),
+        py::arg("v_strides"), py::arg("out_strides"), py::arg("dq_strides"),
         py::arg("dk_strides"), py::arg("dv_strides"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
         py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("fp16_correction"), py::arg("deterministic"), py::arg("stream"));

@@ -1,5 +1,6 @@
-// The backward pass's first kernel, shared by both families: D = rowsum(dO * O) per query row, in fp32;
-// and the per-row statistics the main kernels read (the forward's lse and this D).
+// The backward pass's kernels and helpers shared by both families: first D = rowsum(dO * O) per query
+// row, in fp32; the per-row statistics the main kernels read (the forward's lse and this D); and the
+// dq_accum regions (params.h) with the conversion of a row-major one into dq.
 #pragma once
 
 #include "cuteflash/launch.h"
@@ -7,20 +8,41 @@
 
 namespace cuteflash {
 
-// One warp per query row, 16-byte loads (head_dim is a multiple of 8 and rows are 16-byte aligned).
-template <typename Element>
-__global__ void bwd_preprocess_kernel(const BwdParams p) {
-  const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+// The dq_accum region of one (batch, head): dq_accum_rows x kHeadDim floats.
+template <int kHeadDim>
+__device__ __forceinline__ float* dq_accum_region(BwdParams const& p, int batch, int head) {
+  return p.dq_accum + (int64_t(batch) * p.nheads + head) * p.dq_accum_rows * kHeadDim;
+}
+
+// D for one query row per kThreadsPerRow threads, 16-byte loads (head_dim is a multiple of 8 and rows
+// are 16-byte aligned). Unless the pass is deterministic, the same threads zero the row's dq_accum,
+// padding rows included (the grid covers dq_accum_rows).
+template <typename Element, int kHeadDim>
+struct Preprocess {
+  static constexpr int kThreads = 128;
+  static constexpr int kThreadsPerRow = kHeadDim / 8 <= 4 ? 4 : kHeadDim / 8 <= 8 ? 8 : kHeadDim / 8 <= 16 ? 16 : 32;
+  static constexpr int kRowsPerBlock = kThreads / kThreadsPerRow;
+};
+
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_preprocess_kernel(const BwdParams p) {
+  using Pre = Preprocess<Element, kHeadDim>;
+  const int lane = threadIdx.x % Pre::kThreadsPerRow;
+  const int row = blockIdx.x * Pre::kRowsPerBlock + threadIdx.x / Pre::kThreadsPerRow;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
+  if (!p.deterministic && row < p.dq_accum_rows) {
+    float4* acc = reinterpret_cast<float4*>(dq_accum_region<kHeadDim>(p, batch, head) + row * kHeadDim);
+    for (int c = lane; c < kHeadDim / 4; c += Pre::kThreadsPerRow) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const unsigned active = __ballot_sync(0xffffffff, row < p.seqlen_q);  // whole groups of kThreadsPerRow lanes
   if (row >= p.seqlen_q) return;
   auto const* o = static_cast<Element const*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride +
                   head * p.o_head_stride;
   auto const* dout = static_cast<Element const*>(p.dout) + batch * p.do_batch_stride + row * p.do_row_stride +
                      head * p.do_head_stride;
   float sum = 0.f;
-  for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
+  for (int c = lane * 8; c < p.head_dim; c += Pre::kThreadsPerRow * 8) {
     uint4 o8 = *reinterpret_cast<uint4 const*>(o + c);
     uint4 do8 = *reinterpret_cast<uint4 const*>(dout + c);
     auto const* oe = reinterpret_cast<Element const*>(&o8);
@@ -29,7 +51,7 @@ __global__ void bwd_preprocess_kernel(const BwdParams p) {
     for (int j = 0; j < 8; ++j) sum += static_cast<float>(oe[j]) * static_cast<float>(doe[j]);
   }
   CUTE_UNROLL
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  for (int offset = Pre::kThreadsPerRow / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(active, sum, offset);
   if (lane == 0) p.d_rowsum[(int64_t(batch) * p.nheads + head) * p.seqlen_q + row] = sum;
 }
 
@@ -44,11 +66,40 @@ struct RowStats {
   }
 };
 
-template <typename Element>
+// dq = dq_accum for regions laid out row-major, (dq_accum_rows, kHeadDim): a thread per 4 columns of a
+// row (head_dim is a multiple of 8).
+constexpr int kConvertThreads = 256;
+
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(kConvertThreads) convert_dq_rowmajor_kernel(const BwdParams p) {
+  constexpr int kChunks = kHeadDim / 4;
+  constexpr int kRowsPerBlock = kConvertThreads / kChunks;
+  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kChunks;
+  const int col = threadIdx.x % kChunks * 4;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  if (threadIdx.x >= kRowsPerBlock * kChunks || row >= p.seqlen_q || col >= p.head_dim) return;
+  float4 x = *reinterpret_cast<float4 const*>(dq_accum_region<kHeadDim>(p, batch, head) + row * kHeadDim + col);
+  auto* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride + row * p.dq_row_stride +
+             head * p.dq_head_stride + col;
+  dq[0] = Element(x.x);
+  dq[1] = Element(x.y);
+  dq[2] = Element(x.z);
+  dq[3] = Element(x.w);
+}
+
+template <typename Element, int kHeadDim>
+void launch_convert_dq_rowmajor(BwdParams const& p, cudaStream_t stream) {
+  constexpr int kRowsPerBlock = kConvertThreads / (kHeadDim / 4);
+  dim3 grid(ceil_div(p.seqlen_q, kRowsPerBlock), p.nheads, p.batch);
+  launch(&convert_dq_rowmajor_kernel<Element, kHeadDim>, grid, kConvertThreads, 0, stream, p, "dQ conversion");
+}
+
+template <typename Element, int kHeadDim>
 void launch_bwd_preprocess(BwdParams const& p, cudaStream_t stream) {
-  constexpr int kWarps = 4;
-  dim3 grid(ceil_div(p.seqlen_q, kWarps), p.nheads, p.batch);
-  launch(&bwd_preprocess_kernel<Element>, grid, kWarps * 32, 0, stream, p, "backward preprocess");
+  using Pre = Preprocess<Element, kHeadDim>;
+  dim3 grid(ceil_div(p.deterministic ? p.seqlen_q : p.dq_accum_rows, Pre::kRowsPerBlock), p.nheads, p.batch);
+  launch(&bwd_preprocess_kernel<Element, kHeadDim>, grid, Pre::kThreads, 0, stream, p, "backward preprocess");
 }
 
 }  // namespace cuteflash

@@ -42,16 +42,19 @@ struct BwdParams : FwdParams {
   const void* dout;  // like q
   void* dk;          // (batch, seqlen_k, nheads, head_dim)
   void* dv;
-  // (batch, round_up(seqlen_q, 128), nheads, kernel head dim) fp32, zeroed; receives dQ = dS K. Padded
-  // so that the sm80 kernel adds whole tiles without bounds checks (zeros into the padding).
+  // fp32 scratch (zeroed by the preprocess kernel) that sums dQ = dS K with atomics (unless deterministic): a region of
+  // dq_accum_rows = round_up(seqlen_q, 128) rows of the kernel's head dim per (batch, head), one after
+  // another (dq_accum_region). Whole 128-row blocks, so that the kernels add whole tiles without bounds
+  // checks (zeros into the padding). Each family lays out its region as suits its atomics and converts
+  // it into dq itself.
   float* dq_accum;
-  void* dq;          // like q; written directly by the deterministic dQ kernel
+  int dq_accum_rows;
+  void* dq;          // like q
   float* d_rowsum;   // D = rowsum(dO * O), (batch, nheads, seqlen_q) fp32, written by the preprocess kernel
 
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-  int64_t dq_accum_batch_stride, dq_accum_row_stride, dq_accum_head_stride;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
   // dQ by a second kernel that walks the keys of each query block (bitwise reproducible), instead of
   // fp32 atomics from the dK/dV kernel (whose order varies between runs).

@@ -105,17 +105,14 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_k, _ = k.shape
     f32 = dict(dtype=torch.float32, device=q.device)
-    # dQ from the separate (deterministic) kernel instead of atomics; on sm80 also the faster one above
-    # head dim 128 (H200, fp16, S=2048, 2026-11-21: d=256 127 -> 158 TFLOP/s, causal 115 -> 140), and it
-    # needs no fp32 dQ buffer.
-    separate_dq = deterministic or (family == "sm80" and head_dim > 128)
+    separate_dq = deterministic  # dQ from its own kernel instead of atomics into dq_accum
+    dq = torch.empty_like(q)
     if separate_dq:
-        dq = torch.empty_like(q)
-        dq_accum = torch.empty((0, 0, 0, 0), **f32)
+        dq_accum = torch.empty(0, **f32)
     else:
-        dq = torch.empty((0, 0, 0, 0), dtype=q.dtype, device=q.device)
-        # Padded to whole 128-row blocks and the kernel's head dim: the kernel adds whole tiles (params.h).
-        dq_accum = torch.zeros((batch, -(-seqlen_q // 128) * 128, nheads, kernel_head_dim(head_dim)), **f32)
+        # Whole 128-row blocks of the kernel's head dim per (batch, head), laid out and zeroed by the kernels
+        # (params.h).
+        dq_accum = torch.empty(batch * nheads * (-(-seqlen_q // 128) * 128) * kernel_head_dim(head_dim), **f32)
     d_rowsum = torch.empty((batch, nheads, seqlen_q), **f32)
     # A dK/dV per query head (for MQA/GQA, summed over each group below).
     dk = torch.empty((batch, seqlen_k, nheads, head_dim), dtype=q.dtype, device=q.device)
@@ -124,17 +121,14 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
         args = (family, _DTYPE_CODES[q.dtype], dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                 out.data_ptr(), lse.data_ptr(), dq.data_ptr(), dq_accum.data_ptr(), d_rowsum.data_ptr(),
                 dk.data_ptr(), dv.data_ptr(), _strides(dout), _strides(q), _strides(k), _strides(v), _strides(out),
-                _strides(dq), _strides(dq_accum), _strides(dk), _strides(dv), batch, nheads, nheads_k, seqlen_q,
+                _strides(dq), _strides(dk), _strides(dv), batch, nheads, nheads_k, seqlen_q,
                 seqlen_k, head_dim, softmax_scale, causal, _fp16_correction(family), separate_dq,
                 torch.cuda.current_stream(q.device).cuda_stream)
         _launch(q.device, compiled_module().bwd, *args)
     else:  # no query or no key: every gradient is zero
         dk.zero_()
         dv.zero_()
-        if separate_dq:
-            dq.zero_()
-    if not separate_dq:
-        dq = dq_accum[:, :seqlen_q, :, :head_dim].to(q.dtype)
+        dq.zero_()
     if nheads != nheads_k:
         groups = nheads // nheads_k
         dk = dk.view(batch, seqlen_k, nheads_k, groups, head_dim).sum(3)

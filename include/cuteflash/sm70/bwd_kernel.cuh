@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   auto const* s_k = reinterpret_cast<__half const*>(smem.k.data());
   float* stage = smem.scratch.data() + warp * 16 * 16;
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
-  float* dq_accum = p.dq_accum + batch * p.dq_accum_batch_stride + head * p.dq_accum_head_stride;
+  float* dq_accum = dq_accum_region<kHeadDim>(p, batch, head);  // row-major
 
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     __syncthreads();  // no warp still reads the previous Q, dO, P, dS or its staging tile
@@ -251,8 +251,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
         mma_tile_corrected<kBlockN, false, false>(acc, ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP,
                                                   s_k + dt * 16, kLd, unscale.ds, p.fp16_correction);
         int row0 = m_block * kBlockM + mt * 16;
-        red_add_tile(acc, p.softmax_scale, stage, dq_accum + int64_t(row0) * p.dq_accum_row_stride + dt * 16,
-                     p.dq_accum_row_stride, p.seqlen_q - row0, p.head_dim - dt * 16);
+        red_add_tile(acc, p.softmax_scale, stage, dq_accum + int64_t(row0) * kHeadDim + dt * 16, kHeadDim,
+                     p.seqlen_q - row0, p.head_dim - dt * 16);
       });
     }
   }

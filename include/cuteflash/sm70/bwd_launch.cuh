@@ -1,5 +1,6 @@
-// Host side of the sm70 backward: D = rowsum(dO * O), the dK/dV kernel (with dQ atomics), and the dQ
-// kernel when a deterministic pass is asked for, on the largest tile that fits the device.
+// Host side of the sm70 backward: D = rowsum(dO * O), the dK/dV kernel (with dQ atomics into dq_accum,
+// then its conversion into dq), or the dQ kernel when a deterministic pass is asked for, on the largest
+// tile that fits the device.
 // Included by the generated src/kernels/bwd_sm70_fp16_hd<D>.cu files only.
 #pragma once
 
@@ -14,7 +15,7 @@ namespace cuteflash::sm70 {
 template <typename Element, int kHeadDim>
 void run_bwd(BwdParams const& p, cudaStream_t stream) {
   static_assert(std::is_same_v<Element, cutlass::half_t>, "the sm70 family computes in fp16");
-  launch_bwd_preprocess<Element>(p, stream);
+  launch_bwd_preprocess<Element, kHeadDim>(p, stream);
   auto launch_one = [&](auto traits) {
     using Traits = decltype(traits);
     dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
@@ -22,6 +23,8 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
     if (p.deterministic) {
       dim3 grid_dq(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
       launch(&bwd_dq_kernel<Traits>, grid_dq, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm70 backward dQ");
+    } else {
+      launch_convert_dq_rowmajor<Element, kHeadDim>(p, stream);
     }
   };
   // (query rows per step, keys per block): 32 x 64; 32 x 32; 16 x 32 (T4 at head dims 192-256).

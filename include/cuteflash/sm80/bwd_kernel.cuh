@@ -2,11 +2,12 @@
 //
 // After D = rowsum(dO * O) (bwd_preprocess.cuh), the main kernel owns kBlockN keys of one
 // (batch, head) and walks the query blocks that see them, recomputing P from Q, K and the saved
-// log-sum-exp:
-//   S = Q K^T, dP = dO V^T  ->  P = exp(scale S - lse), dS = P * (dP - D)  ->  P, dS to shared memory
-//   dV += P^T dO,  dK += dS^T Q,  dQ += dS K (fp32 atomics into dq_accum)
+// log-sum-exp. One step:
+//   S = Q K^T  ->  P = exp(scale S - lse) to shared memory  ->  dP = dO V^T  ->  dS = P (dP - D) too
+//   dV += P^T dO  ->  dQ = dS K (fp32 atomics into dq_accum)  ->  dK += dS^T Q
 // dK and dV stay in registers until the end. dS carries the softmax scale (dS = scale P (dP - D)), so
-// the products give dQ and dK directly.
+// the products give dQ and dK directly. The next step's loads hide behind this one's products: Q
+// (double-buffered) is issued right after S, dO once dV has read the current one.
 #pragma once
 
 #include "cuteflash/bwd_preprocess.cuh"
@@ -18,33 +19,25 @@
 
 namespace cuteflash::sm80 {
 
-// Writes an accumulator tile (rows < max_rows, columns < max_cols) to global memory, element by element:
-// once per thread block, so plain stores suffice.
-template <typename Acc, typename Coord, typename Element>
-__device__ __forceinline__ void store_tile(Acc const& acc, Coord const& coord, Element* base, int64_t row_stride,
-                                           int max_rows, int max_cols) {
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); ++i) {
-    int row = get<0>(coord(i));
-    int col = get<1>(coord(i));
-    if (row < max_rows && col < max_cols) base[row * row_stride + col] = acc(i);
-  }
-}
-
-// In place on (rows, cols) views: s becomes P = exp(scale S - lse) and dp becomes
-// dS = scale P (dP - D), the gradient of the unscaled scores. lse_log2 is lse * log2(e) per row (+inf
-// for rows past seqlen_q: P = 0), d the rows' D.
-template <typename STensor, typename DPTensor, int kRows>
-__device__ __forceinline__ void softmax_backward(STensor& s, DPTensor& dp, float const (&lse_log2)[kRows],
-                                                 float const (&d)[kRows], float scale_log2, float scale) {
+// In place on a (rows, cols) view of S: P = exp(scale S - lse). lse_log2 is lse * log2(e) per row (+inf
+// for rows past seqlen_q: P = 0).
+template <typename STensor, int kRows>
+__device__ __forceinline__ void scores_to_probs(STensor& s, float const (&lse_log2)[kRows], float scale_log2) {
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
     CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(s); ++ni) {
-      float prob = exp2_approx(s(mi, ni) * scale_log2 - lse_log2[mi]);
-      s(mi, ni) = prob;
-      dp(mi, ni) = prob * scale * (dp(mi, ni) - d[mi]);
-    }
+    for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2_approx(s(mi, ni) * scale_log2 - lse_log2[mi]);
+  }
+}
+
+// In place on (rows, cols) views: dp becomes dS = scale P (dP - D), the gradient of the unscaled scores.
+template <typename PTensor, typename DPTensor, int kRows>
+__device__ __forceinline__ void probs_to_grads(PTensor const& prob, DPTensor& dp, float const (&d)[kRows],
+                                               float scale) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(dp); ++ni) dp(mi, ni) = prob(mi, ni) * scale * (dp(mi, ni) - d[mi]);
   }
 }
 
@@ -66,6 +59,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kQStages = Traits::kQStages;
 
   extern __shared__ __align__(128) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
@@ -101,9 +95,14 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
                                             head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride)(_, _, n_block);
   // gK, gV: (kBlockN, kHeadDim)
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
-  // dq_accum is padded to whole 128-row blocks and the kernel's head dim (see params.h): no bounds checks.
-  float* dq_accum = p.dq_accum + batch * p.dq_accum_batch_stride + head * p.dq_accum_head_stride;
+  // dQ's atomics: dq_accum holds whole blocks (params.h), so no bounds checks; within a block, the
+  // values of accumulator element i of all threads lie side by side (dq_accum_block), so that each
+  // warp's reduction covers one 128-byte line. convert_dq_kernel puts them back in place.
+  float* dq_accum = dq_accum_region<kHeadDim>(p, batch, head) + tid;
 
+  // Q's stage s lives at smem.q + s * kQSize; the partitions below are of stage 0 and get the offset of
+  // the current stage added to their pointers.
+  constexpr int kQSize = cosize_v<typename Traits::SmemLayoutQ>;
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});      // (kBlockM, kHeadDim)
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
@@ -129,14 +128,25 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
                           p.head_dim);
   copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKVcKV, keys_left,
                           p.head_dim);
-  cp_async_commit();
-  auto load_q_do = [&](int m_block) {
-    int rows_left = p.seqlen_q - m_block * kBlockM;
-    copy_tile_bounded<true>(gmem_copy, tQgQ(_, _, _, m_block), tQsQ, tQcQ, rows_left, p.head_dim);
-    copy_tile_bounded<true>(gmem_copy, tdOgdO(_, _, _, m_block), tdOsdO, tQcQ, rows_left, p.head_dim);
-    cp_async_commit();
+  // Every query block but the last is full: without a head-dim remainder it loads without bounds checks
+  // (whose zero-filling stores nvcc would otherwise issue, predicated off, in every step).
+  const bool full_head_dim = p.head_dim == kHeadDim;
+  auto load_rows = [&](auto const& src, auto&& dst, int m_block) {
+    if (full_head_dim && m_block < m_block_max - 1) {
+      copy(gmem_copy, src, dst);
+    } else {
+      copy_tile_bounded<true>(gmem_copy, src, dst, tQcQ, p.seqlen_q - m_block * kBlockM, p.head_dim);
+    }
   };
-  if (m_block_min < m_block_max) load_q_do(m_block_min);
+  auto load_q = [&](int m_block, int stage) {
+    load_rows(tQgQ(_, _, _, m_block), make_tensor(tQsQ.data() + stage * kQSize, tQsQ.layout()), m_block);
+  };
+  auto load_do = [&](int m_block) { load_rows(tdOgdO(_, _, _, m_block), tdOsdO, m_block); };
+  if (m_block_min < m_block_max) {
+    load_q(m_block_min, 0);
+    load_do(m_block_min);
+  }
+  cp_async_commit();
 
   // ---- S and dP: (kBlockM, kBlockN), both operands from shared memory.
   typename Traits::TiledMmaSdP mma_sdp;
@@ -196,62 +206,100 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   // One loop with a uniform branch for the mask, not a lambda instantiated twice as in the forward
   // kernel: at head dim 256 nvcc did not inline such a lambda, and every fragment it captured went to
   // local memory (4960-byte stack frame).
+  int q_stage = 0;
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+    const bool has_next = m_block + 1 < m_block_max;
     cp_async_wait<0>();
     __syncthreads();  // Q and dO of this block (and K, V) are in shared memory
 
-    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
-    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    clear(acc_s);
-    clear(acc_dp);
     float lse_log2[kRows], d[kRows];  // loaded first: the products hide the global loads' latency
     load_row_stats(p, row_stats, m_block * kBlockM, tScS_rc, lse_log2, d);
-    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
-    gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+    clear(acc_s);
+    gemm_ss(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + q_stage * kQSize, tSsQ.layout()), tSsK, mma_sdp,
+            copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
+    if (kQStages == 2 && has_next) {  // the other stage was last read before this step's barrier
+      load_q(m_block + 1, q_stage ^ 1);
+      cp_async_commit();
+    }
 
-    // P and dS, in place. Rows past seqlen_q get lse = +inf: P = 0.
-    Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));    // (rows, cols)
-    Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));  // (rows, cols)
+    // P, in place; rows past seqlen_q get lse = +inf: P = 0.
+    Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
     if (m_block < m_block_first_unmasked) {
       apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
     }
-    softmax_backward(s, dp, lse_log2, d, p.softmax_scale_log2, p.softmax_scale);
+    scores_to_probs(s, lse_log2, p.softmax_scale_log2);
     copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_s)), tPsP);
+
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_dp);
+    gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
+    Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));  // (rows, cols)
+    probs_to_grads(s, dp, d, p.softmax_scale);
     copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_dp)), tdSsdS);
     __syncthreads();  // P and dS are in shared memory
 
     gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, mma_dkv, copy_a_dkv, thr_a_dkv, copy_b_dkv, thr_b_dkv);
-    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, copy_a_dkv, thr_a_dkv, copy_b_dkv, thr_b_dkv);
-    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
-    if (!p.deterministic) {
+    if (has_next) {
+      __syncthreads();  // no warp reads dO any more
+      load_do(m_block + 1);
+      cp_async_commit();
+    }
+
+    if (!p.deterministic) {  // rows past seqlen_q and columns past head_dim add zeros to the padding
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
       clear(acc_dq);
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq, thr_b_dq);
-    }
-    __syncthreads();  // no warp reads Q, dO, P or dS any more
-    if (m_block + 1 < m_block_max) load_q_do(m_block + 1);  // lands while the atomics below run
-
-    // Measured on the H200 (d=128, 2026-11-21), all slower than this order: dQ's atomics issued before
-    // the dK product (6.41 -> 6.83 ms), and Q / dO double-buffered with the next load issued at the top
-    // of the step (6.72 ms). FlashAttention-2's kernel of the same tile takes 4.43 ms; its instruction
-    // count is within 4 % of this one's (1.07 G vs 1.10 G), so the gap is in latency, not issue.
-    if (!p.deterministic) {  // rows past seqlen_q and columns past head_dim add zeros to the padding
-      Tensor gdQaccum = make_tensor(make_gmem_ptr(dq_accum + int64_t(m_block) * kBlockM * p.dq_accum_row_stride),
-                                    Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.dq_accum_row_stride, _1{}));
-      Tensor tdQgdQaccum = thr_dq.partition_C(gdQaccum);  // (MMA, MMA_M, MMA_D), like acc_dq
+      float* block = dq_accum + m_block * kBlockM * kHeadDim;
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); ++i) global_red_add(&tdQgdQaccum(i), acc_dq(i));
+      for (int i = 0; i < size(acc_dq); ++i) global_red_add(block + i * Traits::kNThreads, acc_dq(i));
     }
+    // Once in the code: with a copy in each branch above, nvcc predicated both and issued them all.
+    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, make_tensor(tdKsQt.data() + q_stage * kQSize, tdKsQt.layout()),
+            mma_dkv, copy_a_dkv, thr_a_dkv, copy_b_dkv, thr_b_dkv);
+    if (kQStages == 1 && has_next) {
+      __syncthreads();  // no warp reads Q any more
+      load_q(m_block + 1, 0);
+      cp_async_commit();
+    }
+    q_stage ^= kQStages - 1;
   }
   cp_async_wait<0>();
 
-  // ---- Epilogue: dK = dS^T Q and dV; a key block no query sees gets zeros.
-  Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // ---- Epilogue: dK and dV through the shared memory of K and V; a key block no query sees gets zeros.
   auto* dk = static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride +
              int64_t(n_block) * kBlockN * p.dk_row_stride;
   auto* dv = static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride +
              int64_t(n_block) * kBlockN * p.dv_row_stride;
-  store_tile(convert_fragment<Element>(acc_dk), tdKVcdKV, dk, p.dk_row_stride, keys_left, p.head_dim);
-  store_tile(convert_fragment<Element>(acc_dv), tdKVcdKV, dv, p.dv_row_stride, keys_left, p.head_dim);
+  __syncthreads();  // no warp reads K or V any more
+  using Fwd = typename Traits::Fwd;
+  store_acc_tile<Fwd, kBlockN>(acc_dk, mma_dkv, smem.k.data(), dk, p.dk_row_stride, keys_left, p.head_dim);
+  store_acc_tile<Fwd, kBlockN>(acc_dv, mma_dkv, smem.v.data(), dv, p.dv_row_stride, keys_left, p.head_dim);
+}
+
+// dq = dq_accum for the regions bwd_kernel<Traits> wrote: one thread block per query block, each thread
+// reading back the accumulator elements it added (coalesced) and storing them at their (row, column).
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads) convert_dq_kernel(const BwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const int m_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int tid = threadIdx.x;
+
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
+  float const* block = dq_accum_region<kHeadDim>(p, batch, head) + m_block * kBlockM * kHeadDim + tid;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) = block[i * Traits::kNThreads];
+  auto* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
+             int64_t(m_block) * kBlockM * p.dq_row_stride;
+  extern __shared__ __align__(128) char smem_raw[];
+  store_acc_tile<typename Traits::Fwd, kBlockM>(acc_dq, mma_dq, reinterpret_cast<Element*>(smem_raw), dq,
+                                                p.dq_row_stride, p.seqlen_q - m_block * kBlockM, p.head_dim);
 }
 
 // Deterministic dQ: one thread block per query block walks the key blocks it sees (in a fixed order),
@@ -357,16 +405,17 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
     if (n_block >= keys.n_block_first_masked) {
       apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
     }
-    softmax_backward(s, dp, lse_log2, d_row, p.softmax_scale_log2, p.softmax_scale);
+    scores_to_probs(s, lse_log2, p.softmax_scale_log2);
+    probs_to_grads(s, dp, d_row, p.softmax_scale);
     Tensor rdS = convert_fragment<Element>(acc_dp);
     Tensor tdQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));  // (MMA, MMA_M, MMA_K over keys)
     gemm_rs(acc_dq, tdQrdS, tdQrKt, tdQsKt, tiled_mma, copy_bt, thr_bt);
   }
 
-  Tensor tdQcdQ = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   auto* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
              int64_t(m_block) * kBlockM * p.dq_row_stride;
-  store_tile(convert_fragment<Element>(acc_dq), tdQcdQ, dq, p.dq_row_stride, rows_left, p.head_dim);
+  __syncthreads();  // no warp reads Q any more
+  store_acc_tile<Traits, kBlockM>(acc_dq, tiled_mma, smem.q.data(), dq, p.dq_row_stride, rows_left, p.head_dim);
 }
 
 }  // namespace cuteflash::sm80

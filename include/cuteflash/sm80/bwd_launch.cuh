@@ -10,16 +10,22 @@ namespace cuteflash::sm80 {
 
 template <typename Element, int kHeadDim>
 void run_bwd(BwdParams const& p, cudaStream_t stream) {
-  launch_bwd_preprocess<Element>(p, stream);
+  launch_bwd_preprocess<Element, kHeadDim>(p, stream);
 
-  using Large = typename BwdTraitsSelect<Element, kHeadDim, false>::type;
-  using Small = typename BwdTraitsSelect<Element, kHeadDim, true>::type;
   auto launch_one = [&](auto traits) {
     using Traits = decltype(traits);
     dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
     launch(&bwd_kernel<Traits>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm80 backward");
+    if (!p.deterministic) {
+      dim3 grid_dq(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
+      constexpr int smem = Traits::kBlockM * Traits::kHeadDim * int(sizeof(typename Traits::Element));
+      launch(&convert_dq_kernel<Traits>, grid_dq, Traits::kNThreads, smem, stream, p, "sm80 dQ conversion");
+    }
   };
-  launch_fitting<Large, Small>(launch_one, "backward", kHeadDim);  // the same type unless d is 96 or 128
+  // H100/H200, A100, then sm86/89/120; neighbours are often the same type.
+  launch_fitting<typename BwdTraitsSelect<Element, kHeadDim, kSmemSm90Bytes>::type,
+                 typename BwdTraitsSelect<Element, kHeadDim, kSmemSm80Bytes>::type,
+                 typename BwdTraitsSelect<Element, kHeadDim, kSmallSmemBytes>::type>(launch_one, "backward", kHeadDim);
 
   if (p.deterministic) {
     using DqT = DqTraits<Element, kHeadDim>;

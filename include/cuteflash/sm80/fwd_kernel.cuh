@@ -61,6 +61,29 @@ __device__ __forceinline__ void store_o(SmemO const& sO, GmemO& gO, FwdParams co
                            p.head_dim);
 }
 
+// Writes an fp32 accumulator tile of (kRows, kHeadDim), partitioned by tiled_mma, to global memory in the
+// element type (rows < rows_left, columns < head_dim): through shared memory (kRows x kHeadDim elements at
+// smem, free when called), so that each thread stores 16 bytes at a time. Traits: a FwdTraits with as
+// many threads as tiled_mma, for its swizzled smem atom and copies. Ends with smem still in use.
+template <typename Traits, int kRows, typename Acc, typename TiledMma, typename Element>
+__device__ __forceinline__ void store_acc_tile(Acc const& acc, TiledMma const& tiled_mma, Element* smem, Element* gmem,
+                                               int64_t row_stride, int rows_left, int head_dim) {
+  constexpr int kHeadDim = Traits::kHeadDim;
+  using SmemLayout = decltype(tile_to_shape(typename Traits::SmemLayoutAtom{}, Shape<Int<kRows>, Int<kHeadDim>>{}));
+  Tensor s = make_tensor(make_smem_ptr(smem), SmemLayout{});
+  auto smem_copy = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+  auto smem_thr = smem_copy.get_thread_slice(threadIdx.x);
+  Tensor r = convert_fragment<Element>(acc);
+  copy(smem_copy, smem_thr.retile_S(r), smem_thr.partition_D(s));
+  __syncthreads();
+  Tensor g = make_tensor(make_gmem_ptr(gmem), Shape<Int<kRows>, Int<kHeadDim>>{}, make_stride(row_stride, _1{}));
+  typename Traits::GmemTiledCopyO gmem_copy;
+  auto thr = gmem_copy.get_thread_slice(threadIdx.x);
+  copy_tile_bounded<false>(gmem_copy, thr.partition_S(s), thr.partition_D(g),
+                           thr.partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{})), rows_left,
+                           head_dim);
+}
+
 // A query block that sees no key (causal with seqlen_q > seqlen_k): O = 0 and lse = +inf.
 template <typename Traits, typename SmemO, typename GmemO>
 __device__ void store_empty_block(SmemO& sO, GmemO& gO, float* lse, FwdParams const& p, int rows_left) {

@@ -86,7 +86,8 @@ struct FwdTraitsSelect {
   using type = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.n_warps>;
 };
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kAtomMSdP, int kAtomNdKV, int kAtomMdQ,
+          int kQStages_>
 struct BwdTraits {
   using Element = Element_;
   static_assert(std::is_same_v<Element, half_t> || std::is_same_v<Element, bfloat16_t>);
@@ -94,18 +95,25 @@ struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // query rows per step of the loop
   static constexpr int kBlockN = kBlockN_;  // key rows of this thread block
+  static constexpr int kQStages = kQStages_;
+  static constexpr BwdTile kTile{kBlockM, kBlockN, kAtomMSdP, kAtomNdKV, kAtomMdQ, kQStages};
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
 
+  // Each product's warps: kAtom* of them along its first mode, the rest along the second; the 16-wide
+  // tile in that second mode lets one ldmatrix.x4 feed two n8 MMAs. No row statistics are needed (P
+  // comes from the saved log-sum-exp), so the warps may split the keys of S and dP.
   using MmaAtom = typename FwdTraits<Element, kHeadDim, 128, kBlockN, 8>::MmaAtom;
-  // S = Q K^T and dP = dO V^T: (kBlockM, kBlockN), warps 2 x 4. No row statistics are needed (P comes
-  // from the saved log-sum-exp), so the warps may split the keys.
-  using TiledMmaSdP = TiledMMA<MmaAtom, Layout<Shape<_2, _4, _1>>, Tile<_32, _64, _16>>;
-  // dV += P^T dO and dK += dS^T Q: (kBlockN, kHeadDim), warps 4 x 2.
-  using TiledMmadKV = TiledMMA<MmaAtom, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
-  // dQ = dS K: (kBlockM, kHeadDim), warps 4 x 2.
-  using TiledMmadQ = TiledMMA<MmaAtom, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>;
-  static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0 && kHeadDim % 32 == 0);
+  template <int kAtomM>
+  using WarpTiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kAtomM>, Int<kNWarps / kAtomM>, _1>>,
+                                Tile<Int<16 * kAtomM>, Int<16 * kNWarps / kAtomM>, _16>>;
+  using TiledMmaSdP = WarpTiledMma<kAtomMSdP>;  // S = Q K^T, dP = dO V^T: (kBlockM, kBlockN)
+  using TiledMmadKV = WarpTiledMma<kAtomNdKV>;  // dV += P^T dO, dK += dS^T Q: (kBlockN, kHeadDim)
+  using TiledMmadQ = WarpTiledMma<kAtomMdQ>;    // dQ = dS K: (kBlockM, kHeadDim)
+  static_assert(kBlockM % (16 * kAtomMSdP) == 0 && kBlockN % (16 * kNWarps / kAtomMSdP) == 0);
+  static_assert(kBlockN % (16 * kAtomNdKV) == 0 && kHeadDim % (16 * kNWarps / kAtomNdKV) == 0);
+  static_assert(kBlockM % (16 * kAtomMdQ) == 0 && kHeadDim % (16 * kNWarps / kAtomMdQ) == 0);
+  static_assert(kBlockM % 16 == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0);
 
   using Fwd = FwdTraits<Element, kHeadDim, 128, kBlockN, 8>;  // for the shared smem atom and copies
   using SmemLayoutQ = decltype(tile_to_shape(typename Fwd::SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -133,7 +141,7 @@ struct BwdTraits {
   static_assert(kBlockM % (kNThreads / kGmemThreadsPerRow) == 0);
 
   struct SharedStorage {
-    array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    array_aligned<Element, cosize_v<SmemLayoutQ> * kQStages> q;  // stage s at q.data() + s * size(SmemLayoutQ)
     array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
     array_aligned<Element, cosize_v<SmemLayoutKV>> k;
     array_aligned<Element, cosize_v<SmemLayoutKV>> v;
@@ -141,13 +149,15 @@ struct BwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutPdS>> ds;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
-  static_assert(kSmemBytes == sm80_bwd_smem_bytes(TileConfig{kBlockM, kBlockN, kNWarps}, kHeadDim, sizeof(Element)));
+  static_assert(kSmemBytes == kTile.smem_bytes(kHeadDim, sizeof(Element)));
 };
 
-template <typename Element, int kHeadDim, bool kSmallSmem>
+// The traits of the backward tile for a device with smem_budget bytes of shared memory per block.
+template <typename Element, int kHeadDim, int kSmemBudget>
 struct BwdTraitsSelect {
-  static constexpr TileConfig kTile = kSmallSmem ? sm80_bwd_tile_small_smem(kHeadDim) : sm80_bwd_tile(kHeadDim);
-  using type = BwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n>;
+  static constexpr BwdTile kTile = sm80_bwd_tile(kHeadDim, kSmemBudget);
+  using type = BwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.atom_m_sdp, kTile.atom_n_dkv,
+                         kTile.atom_m_dq, kTile.q_stages>;
 };
 
 }  // namespace cuteflash::sm80
