@@ -9,14 +9,20 @@ namespace cuteflash::sm80 {
 
 template <typename Element, int kHeadDim>
 void run_fwd(FwdParams const& p, cudaStream_t stream) {
-  using Large = typename FwdTraitsSelect<Element, kHeadDim, false>::type;
-  using Small = typename FwdTraitsSelect<Element, kHeadDim, true>::type;
   auto launch_one = [&](auto traits) {
     using Traits = decltype(traits);
     dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
     launch(&fwd_kernel<Traits>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm80 forward");
   };
-  launch_fitting<Large, Small>(launch_one, "forward", kHeadDim);  // the same type below head dim 224
+  // The large- and small-shared-memory tiles are the same type below head dim 224; the causal tile
+  // differs from the other only up to head dim 64.
+  if (p.causal) {
+    launch_fitting<typename FwdTraitsSelect<Element, kHeadDim, false, true>::type,
+                   typename FwdTraitsSelect<Element, kHeadDim, true, true>::type>(launch_one, "forward", kHeadDim);
+  } else {
+    launch_fitting<typename FwdTraitsSelect<Element, kHeadDim, false>::type,
+                   typename FwdTraitsSelect<Element, kHeadDim, true>::type>(launch_one, "forward", kHeadDim);
+  }
 }
 
 }  // namespace cuteflash::sm80

@@ -79,10 +79,11 @@ struct FwdTraits {
   static_assert(kSmemBytes == TileConfig{kBlockM, kBlockN, kNWarps}.smem_bytes_fwd(kHeadDim, sizeof(Element)));
 };
 
-// The traits of the tile chosen for a head dim, on a large- or a small-shared-memory device.
-template <typename Element, int kHeadDim, bool kSmallSmem>
+// The traits of the tile chosen for a head dim and mask, on a large- or a small-shared-memory device.
+template <typename Element, int kHeadDim, bool kSmallSmem, bool kCausal = false>
 struct FwdTraitsSelect {
-  static constexpr TileConfig kTile = kSmallSmem ? sm80_fwd_tile_small_smem(kHeadDim) : sm80_fwd_tile(kHeadDim);
+  static constexpr TileConfig kTile =
+      kSmallSmem ? sm80_fwd_tile_small_smem(kHeadDim, kCausal) : sm80_fwd_tile(kHeadDim, kCausal);
   using type = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.n_warps>;
 };
 
