@@ -106,14 +106,16 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     _, seqlen_k, nheads_k, _ = k.shape
     f32 = dict(dtype=torch.float32, device=q.device)
     separate_dq = deterministic  # dQ from its own kernel instead of atomics into dq_accum
-    dq = torch.empty_like(q)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if separate_dq:
         dq_accum = torch.empty(0, **f32)
+        d_rowsum = torch.empty((batch, nheads, seqlen_q), **f32)
     else:
         # Whole 128-row blocks of the kernel's head dim per (batch, head), laid out and zeroed by the kernels
         # (params.h).
         dq_accum = torch.empty(batch * nheads * (-(-seqlen_q // 128) * 128) * kernel_head_dim(head_dim), **f32)
-    d_rowsum = torch.empty((batch, nheads, seqlen_q), **f32)
+        # D = rowsum(dO * O) lives in dq's memory until the last kernel, which reads dq_accum only, writes dq.
+        d_rowsum = dq.view(-1)[: 2 * batch * nheads * seqlen_q].view(torch.float32)
     # A dK/dV per query head (for MQA/GQA, summed over each group below).
     dk = torch.empty((batch, seqlen_k, nheads, head_dim), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
