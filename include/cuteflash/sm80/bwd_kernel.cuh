@@ -53,6 +53,23 @@ __device__ __forceinline__ void load_row_stats(BwdParams const& p, int64_t row_s
   }
 }
 
+// The (kRows, kHeadDim) tile of dq that query block m_block writes.
+template <int kRows, int kHeadDim, typename Element>
+__device__ __forceinline__ auto dq_tile(BwdParams const& p, int batch, int head, int m_block) {
+  return head_tiles<kRows, kHeadDim>(static_cast<Element*>(p.dq), batch * p.dq_batch_stride,
+                                     head * p.dq_head_stride, p.seqlen_q, p.dq_row_stride)(_, _, m_block);
+}
+
+// This thread's slots in the dq_accum block of query block m_block (whole blocks, params.h): element i of
+// dQ's accumulator partition at [i * kNThreads], so that the values of element i of all threads lie side
+// by side and each warp's reduction covers one 128-byte line. bwd_kernel adds there, convert_dq_kernel
+// reads back.
+template <typename Traits>
+__device__ __forceinline__ float* dq_accum_slots(BwdParams const& p, int batch, int head, int m_block) {
+  return dq_accum_region<Traits::kHeadDim>(p, batch, head) + m_block * Traits::kBlockM * Traits::kHeadDim +
+         threadIdx.x;
+}
+
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams p) {
   using Element = typename Traits::Element;
@@ -95,10 +112,6 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
                                             head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride)(_, _, n_block);
   // gK, gV: (kBlockN, kHeadDim)
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
-  // dQ's atomics: dq_accum holds whole blocks (params.h), so no bounds checks; within a block, the
-  // values of accumulator element i of all threads lie side by side (dq_accum_block), so that each
-  // warp's reduction covers one 128-byte line. convert_dq_kernel puts them back in place.
-  float* dq_accum = dq_accum_region<kHeadDim>(p, batch, head) + tid;
 
   // Q's stage s lives at smem.q + s * kQSize; the partitions below are of stage 0 and get the offset of
   // the current stage added to their pointers.
@@ -250,9 +263,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
       clear(acc_dq);
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq, thr_b_dq);
-      float* block = dq_accum + m_block * kBlockM * kHeadDim;
+      float* slots = dq_accum_slots<Traits>(p, batch, head, m_block);  // no bounds checks: whole blocks
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); ++i) global_red_add(block + i * Traits::kNThreads, acc_dq(i));
+      for (int i = 0; i < size(acc_dq); ++i) global_red_add(slots + i * Traits::kNThreads, acc_dq(i));
     }
     // Once in the code: with a copy in each branch above, nvcc predicated both and issued them all.
     gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, make_tensor(tdKsQt.data() + q_stage * kQSize, tdKsQt.layout()),
@@ -267,14 +280,14 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   cp_async_wait<0>();
 
   // ---- Epilogue: dK and dV through the shared memory of K and V; a key block no query sees gets zeros.
-  auto* dk = static_cast<Element*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride +
-             int64_t(n_block) * kBlockN * p.dk_row_stride;
-  auto* dv = static_cast<Element*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride +
-             int64_t(n_block) * kBlockN * p.dv_row_stride;
+  Tensor gdK = head_tiles<kBlockN, kHeadDim>(static_cast<Element*>(p.dk), batch * p.dk_batch_stride,
+                                             head * p.dk_head_stride, p.seqlen_k, p.dk_row_stride)(_, _, n_block);
+  Tensor gdV = head_tiles<kBlockN, kHeadDim>(static_cast<Element*>(p.dv), batch * p.dv_batch_stride,
+                                             head * p.dv_head_stride, p.seqlen_k, p.dv_row_stride)(_, _, n_block);
   __syncthreads();  // no warp reads K or V any more
   using Fwd = typename Traits::Fwd;
-  store_acc_tile<Fwd, kBlockN>(acc_dk, mma_dkv, smem.k.data(), dk, p.dk_row_stride, keys_left, p.head_dim);
-  store_acc_tile<Fwd, kBlockN>(acc_dv, mma_dkv, smem.v.data(), dv, p.dv_row_stride, keys_left, p.head_dim);
+  store_acc_tile<Fwd, kBlockN>(acc_dk, mma_dkv, smem.k.data(), gdK, keys_left, p.head_dim);
+  store_acc_tile<Fwd, kBlockN>(acc_dv, mma_dkv, smem.v.data(), gdV, keys_left, p.head_dim);
 }
 
 // dq = dq_accum for the regions bwd_kernel<Traits> wrote: one thread block per query block, each thread
@@ -292,14 +305,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) convert_dq_kernel(const Bwd
   typename Traits::TiledMmadQ mma_dq;
   auto thr_dq = mma_dq.get_thread_slice(tid);
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
-  float const* block = dq_accum_region<kHeadDim>(p, batch, head) + m_block * kBlockM * kHeadDim + tid;
+  float const* slots = dq_accum_slots<Traits>(p, batch, head, m_block);
   CUTE_UNROLL
-  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) = block[i * Traits::kNThreads];
-  auto* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
-             int64_t(m_block) * kBlockM * p.dq_row_stride;
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) = slots[i * Traits::kNThreads];
   extern __shared__ __align__(128) char smem_raw[];
-  store_acc_tile<typename Traits::Fwd, kBlockM>(acc_dq, mma_dq, reinterpret_cast<Element*>(smem_raw), dq,
-                                                p.dq_row_stride, p.seqlen_q - m_block * kBlockM, p.head_dim);
+  store_acc_tile<typename Traits::Fwd, kBlockM>(acc_dq, mma_dq, reinterpret_cast<Element*>(smem_raw),
+                                                dq_tile<kBlockM, kHeadDim, Element>(p, batch, head, m_block),
+                                                p.seqlen_q - m_block * kBlockM, p.head_dim);
 }
 
 // Deterministic dQ: one thread block per query block walks the key blocks it sees (in a fixed order),
@@ -412,10 +424,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
     gemm_rs(acc_dq, tdQrdS, tdQrKt, tdQsKt, tiled_mma, copy_bt, thr_bt);
   }
 
-  auto* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
-             int64_t(m_block) * kBlockM * p.dq_row_stride;
   __syncthreads();  // no warp reads Q any more
-  store_acc_tile<Traits, kBlockM>(acc_dq, tiled_mma, smem.q.data(), dq, p.dq_row_stride, rows_left, p.head_dim);
+  store_acc_tile<Traits, kBlockM>(acc_dq, tiled_mma, smem.q.data(),
+                                  dq_tile<kBlockM, kHeadDim, Element>(p, batch, head, m_block), rows_left, p.head_dim);
 }
 
 }  // namespace cuteflash::sm80

@@ -51,45 +51,41 @@ __device__ __forceinline__ void gemm_rs(Acc& acc, RegA const& tCrA, RegB& tCrB, 
   }
 }
 
-// Writes O from shared memory to global (rows < seqlen_q, columns < head_dim), 16 bytes per thread.
-template <typename Traits, typename SmemO, typename GmemO>
-__device__ __forceinline__ void store_o(SmemO const& sO, GmemO& gO, FwdParams const& p, int rows_left) {
-  typename Traits::GmemTiledCopyO gmem_copy_o;
-  auto thr = gmem_copy_o.get_thread_slice(threadIdx.x);
-  Tensor cO = make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});
-  copy_tile_bounded<false>(gmem_copy_o, thr.partition_S(sO), thr.partition_D(gO), thr.partition_S(cO), rows_left,
-                           p.head_dim);
+// Writes a (kRows, kHeadDim) tile from shared memory to global memory (rows < rows_left, columns <
+// head_dim), 16 bytes per thread. Traits: a FwdTraits with the block's thread count, for its copy.
+template <typename Traits, typename SmemTile, typename GmemTile>
+__device__ __forceinline__ void store_smem_tile(SmemTile const& s, GmemTile&& g, int rows_left, int head_dim) {
+  typename Traits::GmemTiledCopyO gmem_copy;
+  auto thr = gmem_copy.get_thread_slice(threadIdx.x);
+  Tensor coord = make_identity_tensor(make_shape(size<0>(s), size<1>(s)));  // (row, col) of each element
+  copy_tile_bounded<false>(gmem_copy, thr.partition_S(s), thr.partition_D(g), thr.partition_S(coord), rows_left,
+                           head_dim);
 }
 
-// Writes an fp32 accumulator tile of (kRows, kHeadDim), partitioned by tiled_mma, to global memory in the
-// element type (rows < rows_left, columns < head_dim): through shared memory (kRows x kHeadDim elements at
-// smem, free when called), so that each thread stores 16 bytes at a time. Traits: a FwdTraits with as
-// many threads as tiled_mma, for its swizzled smem atom and copies. Ends with smem still in use.
-template <typename Traits, int kRows, typename Acc, typename TiledMma, typename Element>
-__device__ __forceinline__ void store_acc_tile(Acc const& acc, TiledMma const& tiled_mma, Element* smem, Element* gmem,
-                                               int64_t row_stride, int rows_left, int head_dim) {
-  constexpr int kHeadDim = Traits::kHeadDim;
-  using SmemLayout = decltype(tile_to_shape(typename Traits::SmemLayoutAtom{}, Shape<Int<kRows>, Int<kHeadDim>>{}));
+// Writes an fp32 accumulator tile of (kRows, kHeadDim), partitioned by tiled_mma, to the global tile g in
+// the element type (rows < rows_left, columns < head_dim): through shared memory (kRows x kHeadDim
+// elements at smem, free when called), so that each thread stores 16 bytes at a time. Traits: a FwdTraits
+// with as many threads as tiled_mma, for its swizzled smem atom and copies. Ends with smem still in use.
+template <typename Traits, int kRows, typename Acc, typename TiledMma, typename Element, typename GmemTile>
+__device__ __forceinline__ void store_acc_tile(Acc const& acc, TiledMma const& tiled_mma, Element* smem, GmemTile&& g,
+                                               int rows_left, int head_dim) {
+  using SmemLayout =
+      decltype(tile_to_shape(typename Traits::SmemLayoutAtom{}, Shape<Int<kRows>, Int<Traits::kHeadDim>>{}));
   Tensor s = make_tensor(make_smem_ptr(smem), SmemLayout{});
   auto smem_copy = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
   auto smem_thr = smem_copy.get_thread_slice(threadIdx.x);
   Tensor r = convert_fragment<Element>(acc);
   copy(smem_copy, smem_thr.retile_S(r), smem_thr.partition_D(s));
   __syncthreads();
-  Tensor g = make_tensor(make_gmem_ptr(gmem), Shape<Int<kRows>, Int<kHeadDim>>{}, make_stride(row_stride, _1{}));
-  typename Traits::GmemTiledCopyO gmem_copy;
-  auto thr = gmem_copy.get_thread_slice(threadIdx.x);
-  copy_tile_bounded<false>(gmem_copy, thr.partition_S(s), thr.partition_D(g),
-                           thr.partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{})), rows_left,
-                           head_dim);
+  store_smem_tile<Traits>(s, g, rows_left, head_dim);
 }
 
 // A query block that sees no key (causal with seqlen_q > seqlen_k): O = 0 and lse = +inf.
 template <typename Traits, typename SmemO, typename GmemO>
 __device__ void store_empty_block(SmemO& sO, GmemO& gO, float* lse, FwdParams const& p, int rows_left) {
   typename Traits::GmemTiledCopyO gmem_copy_o;
-  clear(gmem_copy_o.get_thread_slice(threadIdx.x).partition_S(sO));  // the same elements store_o reads back
-  store_o<Traits>(sO, gO, p, rows_left);
+  clear(gmem_copy_o.get_thread_slice(threadIdx.x).partition_S(sO));  // the same elements store_smem_tile reads
+  store_smem_tile<Traits>(sO, gO, rows_left, p.head_dim);
   for (int row = threadIdx.x; row < min(rows_left, Traits::kBlockM); row += Traits::kNThreads) lse[row] = INFINITY;
 }
 
@@ -215,13 +211,6 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   // ---- Epilogue: O /= l, lse = m * scale + log(l); O goes through shared memory for 16-byte stores.
   float row_lse[kRows];
   softmax.finalize(acc_o_rc, p.softmax_scale, row_lse);
-  Tensor rO = convert_fragment<Element>(acc_o);
-
-  __syncthreads();  // sO aliases sQ
-  auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
-  auto smem_thr_o = smem_copy_o.get_thread_slice(tid);
-  copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
-
   Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
   if (get<1>(tOcO_rc(0, 0)) == 0) {  // the first thread of each quad writes the quad's rows
@@ -231,8 +220,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
       if (row < rows_left) lse[row] = row_lse[mi];
     }
   }
-  __syncthreads();
-  store_o<Traits>(sO, gO, p, rows_left);
+  __syncthreads();  // sO aliases sQ
+  store_acc_tile<Traits, kBlockM>(acc_o, tiled_mma, smem.o.data(), gO, rows_left, p.head_dim);
 }
 
 }  // namespace cuteflash::sm80

@@ -16,12 +16,15 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
   };
   // The large- and small-shared-memory tiles are the same type below head dim 224; the causal tile
   // differs from the other only up to head dim 64.
+  auto launch_for_mask = [&](auto causal) {
+    constexpr bool kCausal = decltype(causal)::value;
+    launch_fitting<typename FwdTraitsSelect<Element, kHeadDim, false, kCausal>::type,
+                   typename FwdTraitsSelect<Element, kHeadDim, true, kCausal>::type>(launch_one, "forward", kHeadDim);
+  };
   if (p.causal) {
-    launch_fitting<typename FwdTraitsSelect<Element, kHeadDim, false, true>::type,
-                   typename FwdTraitsSelect<Element, kHeadDim, true, true>::type>(launch_one, "forward", kHeadDim);
+    launch_for_mask(cute::true_type{});
   } else {
-    launch_fitting<typename FwdTraitsSelect<Element, kHeadDim, false>::type,
-                   typename FwdTraitsSelect<Element, kHeadDim, true>::type>(launch_one, "forward", kHeadDim);
+    launch_for_mask(cute::false_type{});
   }
 }
 
