@@ -36,6 +36,8 @@ void check_operand(char const* name, uintptr_t ptr, Strides const& s) {
   // cp.async and the 16-byte epilogue stores move 8 elements at a time.
   require(ptr % 16 == 0, n + " must be 16-byte aligned");
   for (int64_t stride : s) require(stride >= 0 && stride % 8 == 0, n + " strides must be non-negative multiples of 8");
+  // Offsets inside a block of rows are 32-bit (HeadRows, utils.cuh): 2^24 x 128 rows stays below 2^31.
+  require(s[1] < (int64_t(1) << 24), n + " row stride must be below 2^24 elements (pass a contiguous tensor)");
 }
 
 void set_strides(Strides const& s, int64_t& batch, int64_t& row, int64_t& head) {

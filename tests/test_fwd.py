@@ -163,3 +163,16 @@ def test_view_at_an_odd_offset_is_copied_and_correct():
     q = flat[1:].view(2, 100, 4, 64)  # contiguous, but 2 bytes past an aligned address
     _, k, v = make_qkv(2, 100, 120, 4, 4, 64, torch.float16)
     run_and_check(q, k, v, True)
+
+
+def test_row_stride_beyond_32_bit_block_offsets_is_copied_and_correct():
+    # The kernels index inside a block of rows with 32-bit offsets; a larger row stride is copied first.
+    from cuteflash import _ops
+
+    require_support(torch.float16)
+    stride = _ops.MAX_ROW_STRIDE
+    flat = torch.randn(2 * stride + 64, device="cuda", dtype=torch.float16)
+    q = flat.as_strided((1, 3, 1, 64), (3 * stride, stride, 64, 1))
+    assert _ops._kernel_operand(q) is not q
+    _, k, v = make_qkv(1, 3, 5, 1, 1, 64, torch.float16)
+    run_and_check(q, k, v, False)

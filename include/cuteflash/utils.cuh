@@ -36,6 +36,13 @@ __device__ __forceinline__ void global_red_add(float* ptr, float x) {
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(ptr), "f"(x) : "memory");
 }
 
+// ptr[0..3] += x[0..3], ptr 16-byte aligned: one vector reduction (sm90, PTX 8.1).
+__device__ __forceinline__ void global_red_add_v4(float* ptr, float const* x) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "f"(x[0]), "f"(x[1]), "f"(x[2]),
+               "f"(x[3])
+               : "memory");
+}
+
 // The four threads of a quad (lanes 4i..4i+3) hold one accumulator row between them.
 template <typename Op>
 __device__ __forceinline__ float quad_allreduce(float x, Op op) {
@@ -82,13 +89,26 @@ __device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& s
   return dst;
 }
 
-// (kRows, kHeadDim) tile of a (seqlen, head_dim) matrix of one (batch, head), for blocks along rows.
+// The rows of one (batch, head) of a (batch, seqlen, nheads, head_dim) tensor, kRows at a time: block(i)
+// is the (kRows, kHeadDim) tile of rows [i * kRows, (i + 1) * kRows). Offsets inside a tile are 32-bit
+// (api.cpp keeps row strides below 2^24), so a thread's copy addresses all derive from one 64-bit pointer
+// (the sm80 forward loop at head dim 128 spilled 196 bytes with 64-bit tile strides, 112 with these).
 template <int kRows, int kHeadDim, typename Element>
-__device__ __forceinline__ auto head_tiles(Element* base, int64_t batch_offset, int64_t head_offset, int seqlen,
-                                           int64_t row_stride) {
-  Tensor m = make_tensor(make_gmem_ptr(base + batch_offset + head_offset), make_shape(seqlen, Int<kHeadDim>{}),
-                         make_stride(row_stride, _1{}));
-  return local_tile(m, Shape<Int<kRows>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kRows, kHeadDim, n_tiles)
+struct HeadRows {
+  static_assert(kRows <= 128);  // with row strides below 2^24, block offsets stay below 2^31
+  Element* head;
+  int64_t row_stride;
+
+  __device__ auto block(int i) const {
+    return make_tensor(make_gmem_ptr(head + int64_t(i) * kRows * row_stride),
+                       make_layout(Shape<Int<kRows>, Int<kHeadDim>>{}, make_stride(int(row_stride), _1{})));
+  }
+};
+
+template <int kRows, int kHeadDim, typename Element>
+__device__ __forceinline__ HeadRows<kRows, kHeadDim, Element> head_rows(Element* base, int64_t batch_offset,
+                                                                        int64_t head_offset, int64_t row_stride) {
+  return {base + batch_offset + head_offset, row_stride};
 }
 
 // Copy a partitioned tile (CPY, CPY_ROWS, CPY_COLS) whose rows or columns may run past the tensor:

@@ -16,11 +16,14 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 SM70_CORRECTION_ENV = "CUTEFLASH_SM70_CORRECTION"
 
 
+MAX_ROW_STRIDE = 2**24  # the kernels index inside a block of rows with 32-bit offsets
+
+
 def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
-    """t itself when the kernels can read it in place (last dim contiguous, 16-byte aligned rows),
-    else a contiguous copy. Slices of a packed qkv tensor pass unchanged."""
+    """t itself when the kernels can read it in place (last dim contiguous, 16-byte aligned rows, row
+    stride below MAX_ROW_STRIDE), else a contiguous copy. Slices of a packed qkv tensor pass unchanged."""
     aligned = t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
-    if t.stride(-1) == 1 and aligned:
+    if t.stride(-1) == 1 and aligned and t.stride(1) < MAX_ROW_STRIDE:
         return t
     # contiguous() returns a contiguous view at an odd offset unchanged: clone it into aligned memory.
     return t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t.contiguous()

@@ -195,20 +195,20 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   const int m_block_max = ceil_div(p.seqlen_q, kBlockM);
   const int m_block_min = p.causal ? max(0, n_block * kBlockN - (p.seqlen_k - p.seqlen_q)) / kBlockM : 0;
 
-  Tensor gQ = head_tiles<kBlockM, kHeadDim>(static_cast<half_t const*>(p.q), batch * p.q_batch_stride,
-                                            head * p.q_head_stride, p.seqlen_q, p.q_row_stride);
-  Tensor gdO = head_tiles<kBlockM, kHeadDim>(static_cast<half_t const*>(p.dout), batch * p.do_batch_stride,
-                                             head * p.do_head_stride, p.seqlen_q, p.do_row_stride);
-  // gQ, gdO: (kBlockM, kHeadDim, m_blocks)
+  const auto gQ = head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.q), batch * p.q_batch_stride,
+                                               head * p.q_head_stride, p.q_row_stride);
+  const auto gdO = head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.dout), batch * p.do_batch_stride,
+                                                head * p.do_head_stride, p.do_row_stride);
+  // block(i) of gQ, gdO: (kBlockM, kHeadDim)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
-  Traits::CopyKV::copy(head_tiles<kBlockN, kHeadDim>(static_cast<half_t const*>(p.k), batch * p.k_batch_stride,
-                                                     head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride)(_, _, n_block),
+  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.k), batch * p.k_batch_stride,
+                                                    head_k * p.k_head_stride, p.k_row_stride).block(n_block),
                        sK, keys_left, p.head_dim, tid);
-  Traits::CopyKV::copy(head_tiles<kBlockN, kHeadDim>(static_cast<half_t const*>(p.v), batch * p.v_batch_stride,
-                                                     head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride)(_, _, n_block),
+  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.v), batch * p.v_batch_stride,
+                                                    head_k * p.v_head_stride, p.v_row_stride).block(n_block),
                        sV, keys_left, p.head_dim, tid);
 
   FragAcc acc_dk[Traits::kKeyTilesPerWarp], acc_dv[Traits::kKeyTilesPerWarp];
@@ -231,8 +231,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     __syncthreads();  // no warp still reads the previous Q, dO, P, dS or its staging tile
     const int rows_left = p.seqlen_q - m_block * kBlockM;
-    Traits::CopyQ::copy(gQ(_, _, m_block), sQ, rows_left, p.head_dim, tid);
-    Traits::CopyQ::copy(gdO(_, _, m_block), sdO, rows_left, p.head_dim, tid);
+    Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
+    Traits::CopyQ::copy(gdO.block(m_block), sdO, rows_left, p.head_dim, tid);
     const RowStats row(p, row_stats, m_block * kBlockM + tid / Traits::kThreadsPerRow);
     __syncthreads();
     const Unscale unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
@@ -291,20 +291,20 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   const int warp = tid / 32;
   const int rows_left = p.seqlen_q - m_block * kBlockM;
 
-  Tensor gK = head_tiles<kBlockN, kHeadDim>(static_cast<half_t const*>(p.k), batch * p.k_batch_stride,
-                                            head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride);
-  Tensor gV = head_tiles<kBlockN, kHeadDim>(static_cast<half_t const*>(p.v), batch * p.v_batch_stride,
-                                            head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride);
-  // gK, gV: (kBlockN, kHeadDim, n_blocks)
+  const auto gK = head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.k), batch * p.k_batch_stride,
+                                               head_k * p.k_head_stride, p.k_row_stride);
+  const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.v), batch * p.v_batch_stride,
+                                               head_k * p.v_head_stride, p.v_row_stride);
+  // block(i) of gK, gV: (kBlockN, kHeadDim)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
-  Traits::CopyQ::copy(head_tiles<kBlockM, kHeadDim>(static_cast<half_t const*>(p.q), batch * p.q_batch_stride,
-                                                    head * p.q_head_stride, p.seqlen_q, p.q_row_stride)(_, _, m_block),
+  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.q), batch * p.q_batch_stride,
+                                                   head * p.q_head_stride, p.q_row_stride).block(m_block),
                       sQ, rows_left, p.head_dim, tid);
-  Traits::CopyQ::copy(head_tiles<kBlockM, kHeadDim>(static_cast<half_t const*>(p.dout), batch * p.do_batch_stride,
-                                                    head * p.do_head_stride, p.seqlen_q, p.do_row_stride)(_, _, m_block),
+  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.dout), batch * p.do_batch_stride,
+                                                   head * p.do_head_stride, p.do_row_stride).block(m_block),
                       sdO, rows_left, p.head_dim, tid);
   const RowStats row(p, (int64_t(batch) * p.nheads + head) * p.seqlen_q,
                      m_block * kBlockM + tid / Traits::kThreadsPerRow);
@@ -320,8 +320,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
     __syncthreads();  // no warp still reads the previous K, V or dS
     const int keys_left = p.seqlen_k - n_block * kBlockN;
-    Traits::CopyKV::copy(gK(_, _, n_block), sK, keys_left, p.head_dim, tid);
-    Traits::CopyKV::copy(gV(_, _, n_block), sV, keys_left, p.head_dim, tid);
+    Traits::CopyKV::copy(gK.block(n_block), sK, keys_left, p.head_dim, tid);
+    Traits::CopyKV::copy(gV.block(n_block), sV, keys_left, p.head_dim, tid);
     __syncthreads();
     const Unscale unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
     for_warp_tiles<Traits::kQueryTiles, kTilesD, Traits::kNWarps>(warp, [&](int i, int mt, int dt) {

@@ -82,13 +82,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   const int row_in_block = warp * 16 + my_row;
   const int q_row = m_block * kBlockM + row_in_block;
 
-  Tensor gQ = head_tiles<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
-                                            head * p.q_head_stride, p.seqlen_q, p.q_row_stride);
-  Tensor gK = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
-                                            head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride);
-  Tensor gV = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
-                                            head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride);
-  // gQ: (kBlockM, kHeadDim, m_blocks); gK, gV: (kBlockN, kHeadDim, n_blocks)
+  const auto gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
+                                               head * p.q_head_stride, p.q_row_stride);
+  const auto gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
+                                               head_k * p.k_head_stride, p.k_row_stride);
+  const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
+                                               head_k * p.v_head_stride, p.v_row_stride);
+  // block(i) of gQ: (kBlockM, kHeadDim); of gK, gV: (kBlockN, kHeadDim)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});   // (kBlockM, kHeadDim)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   __half* p_hi = reinterpret_cast<__half*>(smem.p_hi.data()) + warp * 16 * Traits::kLdP;
   __half* p_lo = reinterpret_cast<__half*>(smem.p_lo.data()) + warp * 16 * Traits::kLdP;
 
-  Traits::CopyQ::copy(gQ(_, _, m_block), sQ, rows_left, p.head_dim, tid);
+  Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
 
   const KeyRange<kBlockM, kBlockN> keys(p, m_block);
   const int causal_limit = p.causal ? q_row + p.seqlen_k - p.seqlen_q + 1 : p.seqlen_k;
@@ -130,8 +130,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
     __syncthreads();  // no warp still reads sK / sV
     int keys_left = p.seqlen_k - n_block * kBlockN;
-    Traits::CopyKV::copy(gK(_, _, n_block), sK, keys_left, p.head_dim, tid);
-    Traits::CopyKV::copy(gV(_, _, n_block), sV, keys_left, p.head_dim, tid);
+    Traits::CopyKV::copy(gK.block(n_block), sK, keys_left, p.head_dim, tid);
+    Traits::CopyKV::copy(gV.block(n_block), sV, keys_left, p.head_dim, tid);
     __syncthreads();
 
     // S = Q K^T into this warp's scratch.

@@ -56,18 +56,26 @@ __device__ __forceinline__ void load_row_stats(BwdParams const& p, int64_t row_s
 // The (kRows, kHeadDim) tile of dq that query block m_block writes.
 template <int kRows, int kHeadDim, typename Element>
 __device__ __forceinline__ auto dq_tile(BwdParams const& p, int batch, int head, int m_block) {
-  return head_tiles<kRows, kHeadDim>(static_cast<Element*>(p.dq), batch * p.dq_batch_stride,
-                                     head * p.dq_head_stride, p.seqlen_q, p.dq_row_stride)(_, _, m_block);
+  return head_rows<kRows, kHeadDim>(static_cast<Element*>(p.dq), batch * p.dq_batch_stride,
+                                    head * p.dq_head_stride, p.dq_row_stride).block(m_block);
 }
 
-// This thread's slots in the dq_accum block of query block m_block (whole blocks, params.h): element i of
-// dQ's accumulator partition at [i * kNThreads], so that the values of element i of all threads lie side
-// by side and each warp's reduction covers one 128-byte line. bwd_kernel adds there, convert_dq_kernel
-// reads back.
+// How many consecutive dQ accumulator elements a thread adds with one reduction: sm90 has 16-byte ones,
+// a quarter of the reduction instructions (H200, fp16 backward d=256: 222 -> 227 TFLOP/s, causal 206 -> 211).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr int kDqAccumVec = 4;
+#else
+constexpr int kDqAccumVec = 1;
+#endif
+
+// This thread's slots in the dq_accum block of query block m_block (whole blocks, params.h): elements
+// i..i+kDqAccumVec-1 (i a multiple of kDqAccumVec) of dQ's accumulator partition at [i * kNThreads], so
+// that the same elements of all threads lie side by side and a warp's reduction covers whole 128-byte
+// lines. bwd_kernel adds there, convert_dq_kernel reads back.
 template <typename Traits>
 __device__ __forceinline__ float* dq_accum_slots(BwdParams const& p, int batch, int head, int m_block) {
   return dq_accum_region<Traits::kHeadDim>(p, batch, head) + m_block * Traits::kBlockM * Traits::kHeadDim +
-         threadIdx.x;
+         threadIdx.x * kDqAccumVec;
 }
 
 template <typename Traits>
@@ -101,15 +109,15 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   if (keys_left < kBlockN) m_block_first_unmasked = m_block_max;  // keys past seqlen_k in every step
   m_block_first_unmasked = max(m_block_min, min(m_block_first_unmasked, m_block_max));
 
-  Tensor gQ = head_tiles<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
-                                            head * p.q_head_stride, p.seqlen_q, p.q_row_stride);
-  Tensor gdO = head_tiles<kBlockM, kHeadDim>(static_cast<Element const*>(p.dout), batch * p.do_batch_stride,
-                                             head * p.do_head_stride, p.seqlen_q, p.do_row_stride);
-  // gQ, gdO: (kBlockM, kHeadDim, m_blocks)
-  Tensor gK = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
-                                            head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride)(_, _, n_block);
-  Tensor gV = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
-                                            head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride)(_, _, n_block);
+  const auto gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
+                                               head * p.q_head_stride, p.q_row_stride);
+  const auto gdO = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.dout), batch * p.do_batch_stride,
+                                                head * p.do_head_stride, p.do_row_stride);
+  // block(i) of gQ, gdO: (kBlockM, kHeadDim)
+  Tensor gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
+                                           head_k * p.k_head_stride, p.k_row_stride).block(n_block);
+  Tensor gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
+                                           head_k * p.v_head_stride, p.v_row_stride).block(n_block);
   // gK, gV: (kBlockN, kHeadDim)
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
 
@@ -131,9 +139,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   // ---- Loads: K and V once, Q and dO per query block (zero-filled past seqlen and head_dim).
   typename Traits::GmemTiledCopy gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
-  Tensor tQgQ = gmem_thr.partition_S(gQ);  // (CPY, CPY_M, CPY_K, m_blocks)
   Tensor tQsQ = gmem_thr.partition_D(sQ);
-  Tensor tdOgdO = gmem_thr.partition_S(gdO);
   Tensor tdOsdO = gmem_thr.partition_D(sdO);
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
@@ -144,7 +150,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   // Every query block but the last is full: without a head-dim remainder it loads without bounds checks
   // (whose zero-filling stores nvcc would otherwise issue, predicated off, in every step).
   const bool full_head_dim = p.head_dim == kHeadDim;
-  auto load_rows = [&](auto const& src, auto&& dst, int m_block) {
+  auto load_rows = [&](auto const& rows, auto&& dst, int m_block) {
+    Tensor src = gmem_thr.partition_S(rows.block(m_block));  // (CPY, CPY_M, CPY_K)
     if (full_head_dim && m_block < m_block_max - 1) {
       copy(gmem_copy, src, dst);
     } else {
@@ -152,9 +159,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
     }
   };
   auto load_q = [&](int m_block, int stage) {
-    load_rows(tQgQ(_, _, _, m_block), make_tensor(tQsQ.data() + stage * kQSize, tQsQ.layout()), m_block);
+    load_rows(gQ, make_tensor(tQsQ.data() + stage * kQSize, tQsQ.layout()), m_block);
   };
-  auto load_do = [&](int m_block) { load_rows(tdOgdO(_, _, _, m_block), tdOsdO, m_block); };
+  auto load_do = [&](int m_block) { load_rows(gdO, tdOsdO, m_block); };
   if (m_block_min < m_block_max) {
     load_q(m_block_min, 0);
     load_do(m_block_min);
@@ -264,8 +271,15 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
       clear(acc_dq);
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq, thr_b_dq);
       float* slots = dq_accum_slots<Traits>(p, batch, head, m_block);  // no bounds checks: whole blocks
+      static_assert(decltype(size(acc_dq))::value % kDqAccumVec == 0);
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); ++i) global_red_add(slots + i * Traits::kNThreads, acc_dq(i));
+      for (int i = 0; i < size(acc_dq); i += kDqAccumVec) {
+        if constexpr (kDqAccumVec == 4) {
+          global_red_add_v4(slots + i * Traits::kNThreads, &acc_dq(i));
+        } else {
+          global_red_add(slots + i * Traits::kNThreads, acc_dq(i));
+        }
+      }
     }
     // Once in the code: with a copy in each branch above, nvcc predicated both and issued them all.
     gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, make_tensor(tdKsQt.data() + q_stage * kQSize, tdKsQt.layout()),
@@ -280,10 +294,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   cp_async_wait<0>();
 
   // ---- Epilogue: dK and dV through the shared memory of K and V; a key block no query sees gets zeros.
-  Tensor gdK = head_tiles<kBlockN, kHeadDim>(static_cast<Element*>(p.dk), batch * p.dk_batch_stride,
-                                             head * p.dk_head_stride, p.seqlen_k, p.dk_row_stride)(_, _, n_block);
-  Tensor gdV = head_tiles<kBlockN, kHeadDim>(static_cast<Element*>(p.dv), batch * p.dv_batch_stride,
-                                             head * p.dv_head_stride, p.seqlen_k, p.dv_row_stride)(_, _, n_block);
+  Tensor gdK = head_rows<kBlockN, kHeadDim>(static_cast<Element*>(p.dk), batch * p.dk_batch_stride,
+                                            head * p.dk_head_stride, p.dk_row_stride).block(n_block);
+  Tensor gdV = head_rows<kBlockN, kHeadDim>(static_cast<Element*>(p.dv), batch * p.dv_batch_stride,
+                                            head * p.dv_head_stride, p.dv_row_stride).block(n_block);
   __syncthreads();  // no warp reads K or V any more
   using Fwd = typename Traits::Fwd;
   store_acc_tile<Fwd, kBlockN>(acc_dk, mma_dkv, smem.k.data(), gdK, keys_left, p.head_dim);
@@ -307,7 +321,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) convert_dq_kernel(const Bwd
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
   float const* slots = dq_accum_slots<Traits>(p, batch, head, m_block);
   CUTE_UNROLL
-  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) = slots[i * Traits::kNThreads];
+  for (int i = 0; i < size(acc_dq); i += kDqAccumVec) {
+    CUTE_UNROLL
+    for (int j = 0; j < kDqAccumVec; ++j) acc_dq(i + j) = slots[i * Traits::kNThreads + j];
+  }
   extern __shared__ __align__(128) char smem_raw[];
   store_acc_tile<typename Traits::Fwd, kBlockM>(acc_dq, mma_dq, reinterpret_cast<Element*>(smem_raw),
                                                 dq_tile<kBlockM, kHeadDim, Element>(p, batch, head, m_block),
@@ -342,15 +359,15 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   const int tid = threadIdx.x;
   const int rows_left = p.seqlen_q - m_block * kBlockM;
 
-  Tensor gQ = head_tiles<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
-                                            head * p.q_head_stride, p.seqlen_q, p.q_row_stride)(_, _, m_block);
-  Tensor gdO = head_tiles<kBlockM, kHeadDim>(static_cast<Element const*>(p.dout), batch * p.do_batch_stride,
-                                             head * p.do_head_stride, p.seqlen_q, p.do_row_stride)(_, _, m_block);
-  Tensor gK = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
-                                            head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride);
-  Tensor gV = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
-                                            head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride);
-  // gQ, gdO: (kBlockM, kHeadDim); gK, gV: (kBlockN, kHeadDim, n_blocks)
+  Tensor gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
+                                           head * p.q_head_stride, p.q_row_stride).block(m_block);
+  Tensor gdO = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.dout), batch * p.do_batch_stride,
+                                            head * p.do_head_stride, p.do_row_stride).block(m_block);
+  const auto gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
+                                               head_k * p.k_head_stride, p.k_row_stride);
+  const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
+                                               head_k * p.v_head_stride, p.v_row_stride);
+  // gQ, gdO: (kBlockM, kHeadDim); block(i) of gK, gV: (kBlockN, kHeadDim)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});      // (kBlockM, kHeadDim)
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
@@ -361,8 +378,6 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  Tensor tKgK = gmem_thr.partition_S(gK);  // (CPY, CPY_N, CPY_K, n_blocks)
-  Tensor tVgV = gmem_thr.partition_S(gV);
   Tensor tKsK = gmem_thr.partition_D(sK);
   Tensor tVsV = gmem_thr.partition_D(sV);
   copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gQ), gmem_thr.partition_D(sQ), tQcQ, rows_left, p.head_dim);
@@ -400,8 +415,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   for (int n_block = keys.n_block_max - 1; n_block >= 0; --n_block) {
     __syncthreads();  // no warp still reads the previous K and V
     int keys_left = p.seqlen_k - n_block * kBlockN;
-    copy_tile_bounded<true>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, keys_left, p.head_dim);
-    copy_tile_bounded<true>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, keys_left, p.head_dim);
+    copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gK.block(n_block)), tKsK, tKVcKV, keys_left, p.head_dim);
+    copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gV.block(n_block)), tVsV, tKVcKV, keys_left, p.head_dim);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();

@@ -107,15 +107,15 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   const int tid = threadIdx.x;
   const int rows_left = p.seqlen_q - m_block * kBlockM;
 
-  Tensor gQ = head_tiles<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
-                                            head * p.q_head_stride, p.seqlen_q, p.q_row_stride)(_, _, m_block);
-  Tensor gO = head_tiles<kBlockM, kHeadDim>(static_cast<Element*>(p.o), batch * p.o_batch_stride,
-                                            head * p.o_head_stride, p.seqlen_q, p.o_row_stride)(_, _, m_block);
-  Tensor gK = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
-                                            head_k * p.k_head_stride, p.seqlen_k, p.k_row_stride);
-  Tensor gV = head_tiles<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
-                                            head_k * p.v_head_stride, p.seqlen_k, p.v_row_stride);
-  // gQ, gO: (kBlockM, kHeadDim); gK, gV: (kBlockN, kHeadDim, n_blocks)
+  Tensor gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
+                                           head * p.q_head_stride, p.q_row_stride).block(m_block);
+  Tensor gO = head_rows<kBlockM, kHeadDim>(static_cast<Element*>(p.o), batch * p.o_batch_stride,
+                                           head * p.o_head_stride, p.o_row_stride).block(m_block);
+  const auto gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
+                                               head_k * p.k_head_stride, p.k_row_stride);
+  const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
+                                               head_k * p.v_head_stride, p.v_row_stride);
+  // gQ, gO: (kBlockM, kHeadDim); block(i) of gK, gV: (kBlockN, kHeadDim)
   float* lse = p.lse + (int64_t(batch) * p.nheads + head) * p.seqlen_q + m_block * kBlockM;
 
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});    // (kBlockM, kHeadDim)
@@ -135,27 +135,25 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
   Tensor tQgQ = gmem_thr.partition_S(gQ);  // (CPY, CPY_M, CPY_K)
   Tensor tQsQ = gmem_thr.partition_D(sQ);
-  Tensor tKgK = gmem_thr.partition_S(gK);  // (CPY, CPY_N, CPY_K, n_blocks)
   Tensor tKsK = gmem_thr.partition_D(sK);
-  Tensor tVgV = gmem_thr.partition_S(gV);
   Tensor tVsV = gmem_thr.partition_D(sV);
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // Every key block but the last is full, so it loads without bounds checks when the head dim fills
   // the tile (H200, fp16: d=64 251 -> 239 us, d=256 1815 -> 1717 us, kernel time).
-  auto load_kv = [&](auto const& tSrc, auto& tDst, int n_block) {
+  auto load_kv = [&](auto const& rows, auto& tDst, int n_block) {
+    Tensor tSrc = gmem_thr.partition_S(rows.block(n_block));  // (CPY, CPY_N, CPY_K)
     if (n_block < keys.n_block_max - 1 && p.head_dim == kHeadDim) {
-      copy(gmem_copy, tSrc(_, _, _, n_block), tDst);
+      copy(gmem_copy, tSrc, tDst);
     } else {
-      copy_tile_bounded<true>(gmem_copy, tSrc(_, _, _, n_block), tDst, tKVcKV, p.seqlen_k - n_block * kBlockN,
-                              p.head_dim);
+      copy_tile_bounded<true>(gmem_copy, tSrc, tDst, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
     }
     cp_async_commit();
   };
 
   int n_block = keys.n_block_max - 1;
   copy_tile_bounded<true>(gmem_copy, tQgQ, tQsQ, tQcQ, rows_left, p.head_dim);
-  load_kv(tKgK, tKsK, n_block);
+  load_kv(gK, tKsK, n_block);
 
   // ---- MMA operands and the shared-memory -> register copies that feed them.
   typename Traits::TiledMma tiled_mma;
@@ -188,7 +186,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     clear(acc_s);
     cp_async_wait<0>();
     __syncthreads();  // K[n_block] is in sK, and no warp still reads sV
-    load_kv(tVgV, tVsV, n_block);
+    load_kv(gV, tVsV, n_block);
 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_thr_q, smem_copy_k, smem_thr_k);
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
@@ -198,7 +196,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
 
     cp_async_wait<0>();
     __syncthreads();  // V[n_block] is in sV, and no warp still reads sK
-    if (n_block > 0) load_kv(tKgK, tKsK, n_block - 1);
+    if (n_block > 0) load_kv(gK, tKsK, n_block - 1);
 
     softmax.update(s, acc_o_rc, p.softmax_scale_log2);
     Tensor rP = convert_fragment<Element>(acc_s);
