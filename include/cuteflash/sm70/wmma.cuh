@@ -26,6 +26,48 @@ __device__ __forceinline__ void split_hi_lo(float x, __half& hi, __half& lo) {
   lo = __float2half_rn((x - __half2float(hi)) * kLoScale);
 }
 
+// kCols consecutive floats of shared memory at src (aligned to their size, up to 16 bytes) into dst, with
+// vector loads. With two 16-byte halves, `swap` reads the second first (a bank rotation; dst is in
+// order either way).
+template <int kCols>
+__device__ __forceinline__ void load_floats(float (&dst)[kCols], float const* src, bool swap) {
+  static_assert(kCols == 2 || kCols == 4 || kCols == 8);
+  if constexpr (kCols == 2) {
+    float2 v = *reinterpret_cast<float2 const*>(src);
+    dst[0] = v.x;
+    dst[1] = v.y;
+  } else {
+    float4 v[kCols / 4];
+    CUTE_UNROLL
+    for (int j = 0; j < kCols / 4; ++j) v[j] = reinterpret_cast<float4 const*>(src)[j ^ int(kCols == 8 && swap)];
+    if constexpr (kCols == 8) {
+      float4 first = swap ? v[1] : v[0], second = swap ? v[0] : v[1];
+      v[0] = first;
+      v[1] = second;
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < kCols / 4; ++j) {
+      dst[4 * j] = v[j].x;
+      dst[4 * j + 1] = v[j].y;
+      dst[4 * j + 2] = v[j].z;
+      dst[4 * j + 3] = v[j].w;
+    }
+  }
+}
+
+// x[0..kCols) split into hi / lo halves (split_hi_lo), each stored to shared memory with one vector store
+// (hi and lo aligned to kCols halves, at most 16 bytes).
+template <int kCols>
+__device__ __forceinline__ void store_split(float const (&x)[kCols], float scale, __half* hi, __half* lo) {
+  static_assert(kCols == 2 || kCols == 4 || kCols == 8);
+  using Vec = std::conditional_t<kCols == 8, uint4, std::conditional_t<kCols == 4, uint2, uint32_t>>;
+  __align__(16) __half h[kCols], l[kCols];
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; ++c) split_hi_lo(x[c] * scale, h[c], l[c]);
+  *reinterpret_cast<Vec*>(hi) = *reinterpret_cast<Vec const*>(h);
+  *reinterpret_cast<Vec*>(lo) = *reinterpret_cast<Vec const*>(l);
+}
+
 // A operand of a 16 x K slice: row-major A (a[i lda + k]), or, with kTransposed, A^T stored row-major
 // (a[k lda + i], e.g. P^T read from P).
 template <bool kTransposed>
