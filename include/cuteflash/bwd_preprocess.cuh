@@ -59,6 +59,7 @@ __global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_p
 struct RowStats {
   float lse_log2;
   float d;
+  RowStats() = default;
   __device__ RowStats(BwdParams const& p, int64_t row_stats, int row) {
     bool valid = row < p.seqlen_q;
     lse_log2 = valid ? p.lse[row_stats + row] * 1.4426950408889634f : INFINITY;

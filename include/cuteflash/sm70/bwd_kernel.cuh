@@ -5,13 +5,14 @@
 //   S = Q K^T   -> P = exp(scale S - lse)      (S and dP pass through a shared fp32 scratch: WMMA's
 //   dP = dO V^T -> dS = P (dP - D)              accumulator layout is unspecified, rows are not known)
 //   dV += P^T dO,  dK += dS^T Q,  dQ += dS K (fp32 atomics, or bwd_dq_kernel when deterministic)
-// P and dS are fp32 and feed fp16 tensor-core products, so each is stored as hi + 2^-11 lo (see
+// P and dS are fp32 and feed fp16 tensor-core products, so each is stored split in hi' and lo (see
 // wmma.cuh) and both halves are multiplied, accumulating in fp32. Scaling keeps small values out of
 // fp16's subnormal range (below 2^-14, where precision drops, and 2^-24, where values flush to 0):
-// P <= 1 is stored times 2^15, and dS times a power of two per step that puts the step's largest
-// |dS| in [2^14, 2^15) -- small gradients (small dO, long rows) would otherwise underflow. Each step's
-// products are unscaled as they are added to the fp32 accumulators. Without p.fp16_correction (for
-// comparison) P and dS are rounded to fp16 once, unscaled: what a plain fp16 kernel computes.
+// P <= 1 is split as v = 2^15 P, and dS as v = s dS with a power of two s per step that puts the step's
+// largest |v| in [2^14, 2^15) -- small gradients (small dO, long rows) would otherwise underflow. dV
+// accumulates in units of 2^15 P and is unscaled at the end; the dK and dQ products of a step are
+// unscaled by 1 / s as they are added. Without p.fp16_correction (for comparison) P and dS are
+// rounded to fp16 once, unscaled: what a plain fp16 kernel computes.
 #pragma once
 
 #include "cuteflash/block_info.cuh"
@@ -21,7 +22,9 @@
 
 namespace cuteflash::sm70 {
 
-constexpr float kPScale = 32768.f;  // 2^15: P <= 1, so P's fp16 hi stays below fp16's 65504
+constexpr float kPScale = 32768.f;  // 2^15: P <= 1, so P's fp16 hi' stays below fp16's 65504
+
+__device__ __forceinline__ float p_scale(BwdParams const& p) { return p.fp16_correction ? kPScale : 1.f; }
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_>
 struct BwdTraits {
@@ -50,9 +53,9 @@ struct BwdTraits {
   static constexpr int kKeyTilesPerWarp = ceil_div(kKeyTiles, kNWarps);
   static constexpr int kQueryTilesPerWarp = ceil_div(kQueryTiles, kNWarps);
 
-  // The scratch holds S, then dP; between steps, each warp's 16x16 fp32 tile on its way out.
+  // The scratch holds S and dP side by side; between steps, each warp's 16x16 fp32 tile on its way out.
   static constexpr int kScratchFloats =
-      kBlockM * kLdS > kNWarps * 16 * 16 ? kBlockM * kLdS : kNWarps * 16 * 16;
+      2 * kBlockM * kLdS > kNWarps * 16 * 16 ? 2 * kBlockM * kLdS : kNWarps * 16 * 16;
 
   using SmemLayoutQ = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
   using SmemLayoutKV = Layout<Shape<Int<kBlockN>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
@@ -80,17 +83,12 @@ __device__ __forceinline__ void for_warp_tiles(int warp, F&& f) {
   }
 }
 
-// The factors that undo a step's scaling of P and dS in the products that use them.
-struct Unscale {
-  float p;
-  float ds;
-};
-
 // One step of either kernel: query block m_block against key block n_block, with Q, dO, K and V of the
-// blocks in shared memory. Writes P 2^15 and dS s (s chosen per step) as hi / lo pairs to shared
-// memory; `row` is the calling thread's row of the element-wise phase (tid / kThreadsPerRow).
+// blocks in shared memory. Writes P p_scale(p) and dS s (s chosen per step) split in hi' / lo to shared
+// memory, and returns 1 / s; `row` is the calling thread's row of the element-wise phase
+// (tid / kThreadsPerRow).
 template <typename Traits>
-__device__ Unscale probs_and_grads(typename Traits::SharedStorage& smem, BwdParams const& p, int m_block, int n_block,
+__device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams const& p, int m_block, int n_block,
                                  RowStats const& row) {
   constexpr int kLd = Traits::kLdQKV;
   constexpr int kCols = Traits::kCols;
@@ -99,19 +97,28 @@ __device__ Unscale probs_and_grads(typename Traits::SharedStorage& smem, BwdPara
   const int warp = tid / 32;
   float* scratch = smem.scratch.data();
 
-  // A B^T of (kBlockM, kHeadDim) A and (kBlockN, kHeadDim) B into the scratch, fp32.
-  auto scores = [&](half_t const* a, half_t const* b) {
-    for (int t = warp; t < Traits::kScoreTiles; t += Traits::kNWarps) {
-      int mt = t / kTilesN, nt = t % kTilesN;
-      FragAcc acc;
-      nvcuda::wmma::fill_fragment(acc, 0.f);
-      mma_tile<Traits::kHeadDim, false, true>(acc, reinterpret_cast<__half const*>(a) + mt * 16 * kLd, kLd,
-                                              reinterpret_cast<__half const*>(b) + nt * 16 * kLd, kLd);
-      nvcuda::wmma::store_matrix_sync(scratch + mt * 16 * Traits::kLdS + nt * 16, acc, Traits::kLdS,
-                                      nvcuda::wmma::mem_row_major);
+  // S = Q K^T and dP = dO V^T into the two halves of the scratch, fp32: a warp computes the same tile
+  // of both, two independent chains of products (one barrier for both instead of one each).
+  float* scratch_dp = scratch + Traits::kBlockM * Traits::kLdS;
+  for (int t = warp; t < Traits::kScoreTiles; t += Traits::kNWarps) {
+    const int mt = t / kTilesN, nt = t % kTilesN;
+    FragAcc acc_s, acc_dp;
+    nvcuda::wmma::fill_fragment(acc_s, 0.f);
+    nvcuda::wmma::fill_fragment(acc_dp, 0.f);
+    auto const* q = reinterpret_cast<__half const*>(smem.q.data()) + mt * 16 * kLd;
+    auto const* d_out = reinterpret_cast<__half const*>(smem.dout.data()) + mt * 16 * kLd;
+    auto const* k = reinterpret_cast<__half const*>(smem.k.data()) + nt * 16 * kLd;
+    auto const* v = reinterpret_cast<__half const*>(smem.v.data()) + nt * 16 * kLd;
+    CUTE_UNROLL
+    for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+      mma_tile<16, false, true>(acc_s, q + kk * 16, kLd, k + kk * 16, kLd);
+      mma_tile<16, false, true>(acc_dp, d_out + kk * 16, kLd, v + kk * 16, kLd);
     }
-    __syncthreads();
-  };
+    const int at = mt * 16 * Traits::kLdS + nt * 16;
+    nvcuda::wmma::store_matrix_sync(scratch + at, acc_s, Traits::kLdS, nvcuda::wmma::mem_row_major);
+    nvcuda::wmma::store_matrix_sync(scratch_dp + at, acc_dp, Traits::kLdS, nvcuda::wmma::mem_row_major);
+  }
+  __syncthreads();
 
   // Each thread reads kCols floats of a row of S and dP and writes kCols halves of P and dS with vector
   // accesses (8 threads cover a row of 64, so the 16-byte writes of a quarter-warp hit distinct banks);
@@ -124,32 +131,32 @@ __device__ Unscale probs_and_grads(typename Traits::SharedStorage& smem, BwdPara
   const int q_row = m_block * Traits::kBlockM + r;
   const int key0 = n_block * Traits::kBlockN + c0;
   const int key_limit = p.causal ? min(p.seqlen_k, q_row + p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
-  float const* mine = scratch + r * Traits::kLdS + c0;
-  auto* p_hi = reinterpret_cast<__half*>(smem.p_hi.data()) + r * Traits::kLdP + c0;
-  auto* p_lo = reinterpret_cast<__half*>(smem.p_lo.data()) + r * Traits::kLdP + c0;
-  auto* ds_hi = reinterpret_cast<__half*>(smem.ds_hi.data()) + r * Traits::kLdP + c0;
-  auto* ds_lo = reinterpret_cast<__half*>(smem.ds_lo.data()) + r * Traits::kLdP + c0;
+  const int mine = r * Traits::kLdS + c0;
+  const int mine_p = r * Traits::kLdP + c0;
+  auto* p_hi = reinterpret_cast<__half*>(smem.p_hi.data()) + mine_p;
+  auto* p_lo = reinterpret_cast<__half*>(smem.p_lo.data()) + mine_p;
+  auto* ds_hi = reinterpret_cast<__half*>(smem.ds_hi.data()) + mine_p;
+  auto* ds_lo = reinterpret_cast<__half*>(smem.ds_lo.data()) + mine_p;
 
-  const float p_scale = p.fp16_correction ? kPScale : 1.f;
-  scores(smem.q.data(), smem.k.data());
-  float prob[kCols];
-  load_floats(prob, mine, swap);
+  float prob[kCols], ds[kCols];
+  load_floats(prob, scratch + mine, swap);
+  load_floats(ds, scratch_dp + mine, swap);
   CUTE_UNROLL
-  for (int c = 0; c < kCols; ++c) {
-    prob[c] = key0 + c < key_limit ? exp2_approx(prob[c] * p.softmax_scale_log2 - row.lse_log2) : 0.f;
+  for (int c = 0; c < kCols; ++c) prob[c] = exp2_approx(prob[c] * p.softmax_scale_log2 - row.lse_log2);
+  // Keys past the end or past a causal limit (rows past seqlen_q have lse = +inf: P = 0 already).
+  const int block_key_limit = p.causal ? min(p.seqlen_k, m_block * Traits::kBlockM + p.seqlen_k - p.seqlen_q + 1)
+                                       : p.seqlen_k;
+  if ((n_block + 1) * Traits::kBlockN > block_key_limit) {
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) prob[c] = key0 + c < key_limit ? prob[c] : 0.f;
   }
-  store_split(prob, p_scale, p_hi, p_lo);
-  __syncthreads();  // S is read: the scratch takes dP
-
-  scores(smem.dout.data(), smem.v.data());
-  float ds[kCols];
-  load_floats(ds, mine, swap);
   float ds_max = 0.f;
   CUTE_UNROLL
   for (int c = 0; c < kCols; ++c) {
     ds[c] = prob[c] * (ds[c] - row.d);
     ds_max = fmaxf(ds_max, fabsf(ds[c]));
   }
+  store_split(prob, p_scale(p), p_hi, p_lo);
   CUTE_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) ds_max = fmaxf(ds_max, __shfl_xor_sync(0xffffffff, ds_max, offset));
   if (tid % 32 == 0) smem.warp_max[warp] = ds_max;
@@ -162,7 +169,7 @@ __device__ Unscale probs_and_grads(typename Traits::SharedStorage& smem, BwdPara
   const float ds_scale = ds_max > 0.f && p.fp16_correction ? ldexpf(1.f, min(15 - e, 126)) : 1.f;
   store_split(ds, ds_scale, ds_hi, ds_lo);
   __syncthreads();  // P and dS are complete; the scratch is free
-  return {1.f / p_scale, 1.f / ds_scale};
+  return 1.f / ds_scale;
 }
 
 // Adds acc * scale (a 16x16 fp32 tile) into out (row-major fp32 in global memory) with atomic
@@ -235,31 +242,44 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
   float* dq_accum = dq_accum_region<kHeadDim>(p, batch, head);  // row-major
 
+  // Q, dO and the row statistics of the next query block are loaded into registers while this block's
+  // products run (Volta has no cp.async), and stored to shared memory at the top of the next step.
+  auto q_regs = Traits::CopyQ::make_regs();
+  auto do_regs = Traits::CopyQ::make_regs();
+  auto load_step = [&](int m_block) {
+    const int rows_left = p.seqlen_q - m_block * kBlockM;
+    Traits::CopyQ::load(gQ.block(m_block), q_regs, rows_left, p.head_dim, tid);
+    Traits::CopyQ::load(gdO.block(m_block), do_regs, rows_left, p.head_dim, tid);
+    return RowStats(p, row_stats, m_block * kBlockM + tid / Traits::kThreadsPerRow);
+  };
+  RowStats next_row = m_block_min < m_block_max ? load_step(m_block_min) : RowStats{};
+
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     __syncthreads();  // no warp still reads the previous Q, dO, P, dS or its staging tile
-    const int rows_left = p.seqlen_q - m_block * kBlockM;
-    Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
-    Traits::CopyQ::copy(gdO.block(m_block), sdO, rows_left, p.head_dim, tid);
-    const RowStats row(p, row_stats, m_block * kBlockM + tid / Traits::kThreadsPerRow);
+    Traits::CopyQ::store(q_regs, sQ, tid);
+    Traits::CopyQ::store(do_regs, sdO, tid);
+    const RowStats row = next_row;
+    if (m_block + 1 < m_block_max) next_row = load_step(m_block + 1);
     __syncthreads();
-    const Unscale unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
+    const float ds_unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
 
-    // dV += P^T dO / 2^15 and dK += dS^T Q / s: A read transposed from P / dS, K = the step's queries.
+    // dV += P^T dO (in units of p_scale) and dK += dS^T Q / s: A read transposed from P / dS, K = the
+    // step's queries.
     for_warp_tiles<Traits::kKeyTiles, kTilesD, Traits::kNWarps>(warp, [&](int i, int nt, int dt) {
-      mma_tile_corrected<kBlockM, true, false>(acc_dv[i], p_hi + nt * 16, p_lo + nt * 16, kLdP, s_do + dt * 16, kLd,
-                                               unscale.p, p.fp16_correction);
-      mma_tile_corrected<kBlockM, true, false>(acc_dk[i], ds_hi + nt * 16, ds_lo + nt * 16, kLdP, s_q + dt * 16, kLd,
-                                               unscale.ds, p.fp16_correction);
+      mma_tile_split<kBlockM, true, false>(acc_dv[i], p_hi + nt * 16, p_lo + nt * 16, kLdP, s_do + dt * 16, kLd,
+                                           p.fp16_correction);
+      mma_tile_split_scaled<kBlockM, true, false>(acc_dk[i], ds_hi + nt * 16, ds_lo + nt * 16, kLdP, s_q + dt * 16,
+                                                  kLd, ds_unscale, p.fp16_correction);
     });
     if (!p.deterministic) {  // dQ += scale dS K / s, added to the fp32 buffer tile by tile
       for_warp_tiles<Traits::kQueryTiles, kTilesD, Traits::kNWarps>(warp, [&](int, int mt, int dt) {
         FragAcc acc;
         nvcuda::wmma::fill_fragment(acc, 0.f);
-        mma_tile_corrected<kBlockN, false, false>(acc, ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP,
-                                                  s_k + dt * 16, kLd, unscale.ds, p.fp16_correction);
+        mma_tile_split<kBlockN, false, false>(acc, ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP, s_k + dt * 16,
+                                              kLd, p.fp16_correction);
         int row0 = m_block * kBlockM + mt * 16;
-        red_add_tile(acc, p.softmax_scale, stage, dq_accum + int64_t(row0) * kHeadDim + dt * 16, kHeadDim,
-                     p.seqlen_q - row0, p.head_dim - dt * 16);
+        red_add_tile(acc, p.softmax_scale * ds_unscale, stage, dq_accum + int64_t(row0) * kHeadDim + dt * 16,
+                     kHeadDim, p.seqlen_q - row0, p.head_dim - dt * 16);
       });
     }
   }
@@ -272,7 +292,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
     int row0 = n_block * kBlockN + nt * 16;
     store_tile_fp16(acc_dk[i], p.softmax_scale, stage, dk + int64_t(row0) * p.dk_row_stride + dt * 16,
                     p.dk_row_stride, p.seqlen_k - row0, p.head_dim - dt * 16);
-    store_tile_fp16(acc_dv[i], 1.f, stage, dv + int64_t(row0) * p.dv_row_stride + dt * 16, p.dv_row_stride,
+    store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv_row_stride + dt * 16, p.dv_row_stride,
                     p.seqlen_k - row0, p.head_dim - dt * 16);
   });
 }
@@ -330,10 +350,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
     Traits::CopyKV::copy(gK.block(n_block), sK, keys_left, p.head_dim, tid);
     Traits::CopyKV::copy(gV.block(n_block), sV, keys_left, p.head_dim, tid);
     __syncthreads();
-    const Unscale unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
+    const float ds_unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
     for_warp_tiles<Traits::kQueryTiles, kTilesD, Traits::kNWarps>(warp, [&](int i, int mt, int dt) {
-      mma_tile_corrected<kBlockN, false, false>(acc_dq[i], ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP,
-                                                s_k + dt * 16, kLd, unscale.ds, p.fp16_correction);
+      mma_tile_split_scaled<kBlockN, false, false>(acc_dq[i], ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP,
+                                                   s_k + dt * 16, kLd, ds_unscale, p.fp16_correction);
     });
   }
   __syncthreads();  // the staging tiles alias the scratch

@@ -51,8 +51,6 @@ struct FwdTraits {
     array_aligned<float, kNWarps * 16> alpha;  // each warp's row rescale factors of the current step
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
-  // O's lo products in their own accumulators (A fragments of P loaded once per step), where registers allow.
-  static constexpr bool kLoAccumulators = kHeadDim <= 128;
 };
 
 template <typename Traits>
@@ -125,21 +123,30 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   }
 
   FragAcc acc_o[kHeadDim / 16];
-  FragAcc acc_lo[Traits::kLoAccumulators ? kHeadDim / 16 : 1];
   CUTE_UNROLL
   for (int j = 0; j < kHeadDim / 16; ++j) wmma::fill_fragment(acc_o[j], 0.f);
-  CUTE_UNROLL
-  for (int j = 0; j < int(sizeof(acc_lo) / sizeof(FragAcc)); ++j) wmma::fill_fragment(acc_lo[j], 0.f);
   float* alpha_rows = smem.alpha.data() + warp * 16;
   float m = -INFINITY;  // running row max, and the lane's part of the running row sum
+  // P is computed as 2^11 P when corrected (as P when not), the v of the split (wmma.cuh): hi' V + lo V
+  // accumulates in O's one fp32 accumulator, and the factor cancels in O / l.
+  const float p_shift = p.fp16_correction ? kLoScaleLog2 : 0.f;
   float l = 0.f;
 
+  // K and V of the next block are loaded into registers while this block is computed (Volta has no
+  // cp.async): K(n + 1) during S = Q K(n)^T and the softmax, V(n + 1) during P V(n). Each is stored to
+  // shared memory after the barrier that frees its buffer, so the loop keeps two barriers per block.
+  auto kv_regs = Traits::CopyKV::make_regs();
+  auto keys_left = [&](int n_block) { return p.seqlen_k - n_block * kBlockN; };
+  if (keys.n_block_max > 0) {
+    Traits::CopyKV::copy(gK.block(0), sK, keys_left(0), p.head_dim, tid);
+    Traits::CopyKV::load(gV.block(0), kv_regs, keys_left(0), p.head_dim, tid);
+  }
+
   for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
-    __syncthreads();  // no warp still reads sK / sV
-    int keys_left = p.seqlen_k - n_block * kBlockN;
-    Traits::CopyKV::copy(gK.block(n_block), sK, keys_left, p.head_dim, tid);
-    Traits::CopyKV::copy(gV.block(n_block), sV, keys_left, p.head_dim, tid);
-    __syncthreads();
+    const bool has_next = n_block + 1 < keys.n_block_max;
+    __syncthreads();  // K(n) is in sK; no warp still reads sV
+    Traits::CopyKV::store(kv_regs, sV, tid);
+    if (has_next) Traits::CopyKV::load(gK.block(n_block + 1), kv_regs, keys_left(n_block + 1), p.head_dim, tid);
 
     // S = Q K^T into this warp's scratch.
     {
@@ -170,11 +177,20 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     float s[kColsPerLane];  // s[4 i + e]: column 4 ((i + my_rotation) % kQuads) + e of my half
     CUTE_UNROLL
     for (int i = 0; i < kQuads; ++i) {
-      const int quad = (i + my_rotation) % kQuads;
-      float4 v = *reinterpret_cast<float4 const*>(my + 4 * quad);
-      float const vals[4] = {v.x, v.y, v.z, v.w};
+      float4 v = *reinterpret_cast<float4 const*>(my + 4 * ((i + my_rotation) % kQuads));
+      s[4 * i] = v.x;
+      s[4 * i + 1] = v.y;
+      s[4 * i + 2] = v.z;
+      s[4 * i + 3] = v.w;
+    }
+    if (n_block >= keys.n_block_first_masked) {  // a block with keys past the end or past a causal limit
       CUTE_UNROLL
-      for (int e = 0; e < 4; ++e) s[4 * i + e] = col0 + 4 * quad + e < key_limit ? vals[e] : -INFINITY;
+      for (int i = 0; i < kQuads; ++i) {
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          if (col0 + 4 * ((i + my_rotation) % kQuads) + e >= key_limit) s[4 * i + e] = -INFINITY;
+        }
+      }
     }
     float block_max = -INFINITY;
     CUTE_UNROLL
@@ -185,21 +201,23 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     float sum = 0.f;
     CUTE_UNROLL
     for (int i = 0; i < kQuads; ++i) {
-      __half hi[4], lo[4];
+      float prob[4];  // 2^p_shift P
       CUTE_UNROLL
       for (int e = 0; e < 4; ++e) {
-        float prob = exp2_approx(s[4 * i + e] * p.softmax_scale_log2 - m_scaled);  // masked: exp2(-inf) = 0
-        sum += prob;
-        split_hi_lo(prob, hi[e], lo[e]);
+        prob[e] = exp2_approx(s[4 * i + e] * p.softmax_scale_log2 - (m_scaled - p_shift));  // masked: 0
+        sum += prob[e];
       }
       const int at = my_row * Traits::kLdP + my_col0 + 4 * ((i + my_rotation) % kQuads);
-      *reinterpret_cast<uint2*>(p_hi + at) = *reinterpret_cast<uint2 const*>(hi);
-      *reinterpret_cast<uint2*>(p_lo + at) = *reinterpret_cast<uint2 const*>(lo);
+      store_split<4>(prob, 1.f, p_hi + at, p_lo + at);
     }
     l = l * alpha + sum;
     m = m_new;
     if (my_half == 0) alpha_rows[my_row] = alpha;
-    __syncwarp();
+    __syncthreads();  // V(n) is in sV; no warp still reads sK
+    if (has_next) {
+      Traits::CopyKV::store(kv_regs, sK, tid);
+      Traits::CopyKV::load(gV.block(n_block + 1), kv_regs, keys_left(n_block + 1), p.head_dim, tid);
+    }
 
     // O *= alpha by rows, then O += hi V (+ 2^-11 lo V).
     float alpha_of[kFragElems];
@@ -208,38 +226,28 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     CUTE_UNROLL
     for (int j = 0; j < kHeadDim / 16; ++j) {
       CUTE_UNROLL
-      for (int i = 0; i < kFragElems; ++i) {
-        acc_o[j].x[i] *= alpha_of[i];
-        if constexpr (Traits::kLoAccumulators) acc_lo[j].x[i] *= alpha_of[i];
-      }
+      for (int i = 0; i < kFragElems; ++i) acc_o[j].x[i] *= alpha_of[i];
     }
     auto const* sv = reinterpret_cast<__half const*>(smem.v.data());
-    if constexpr (Traits::kLoAccumulators) {
-      CUTE_UNROLL
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        FragA a_hi, a_lo;
-        wmma::load_matrix_sync(a_hi, p_hi + kk * 16, Traits::kLdP);
-        if (p.fp16_correction) wmma::load_matrix_sync(a_lo, p_lo + kk * 16, Traits::kLdP);
-        CUTE_UNROLL
-        for (int j = 0; j < kHeadDim / 16; ++j) {
-          FragBRow b;  // V: element (k, n) is V[k][n]
-          wmma::load_matrix_sync(b, sv + kk * 16 * kLd + j * 16, kLd);
-          wmma::mma_sync(acc_o[j], a_hi, b, acc_o[j]);
-          if (p.fp16_correction) wmma::mma_sync(acc_lo[j], a_lo, b, acc_lo[j]);
-        }
-      }
-    } else {
+    CUTE_UNROLL
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      FragA a_hi, a_lo;
+      wmma::load_matrix_sync(a_hi, p_hi + kk * 16, Traits::kLdP);
+      if (p.fp16_correction) wmma::load_matrix_sync(a_lo, p_lo + kk * 16, Traits::kLdP);
       CUTE_UNROLL
       for (int j = 0; j < kHeadDim / 16; ++j) {
-        mma_tile_corrected<kBlockN, false, false>(acc_o[j], p_hi, p_lo, Traits::kLdP, sv + j * 16, kLd, 1.f,
-                                                  p.fp16_correction);
+        FragBRow b;  // V: element (k, n) is V[k][n]
+        wmma::load_matrix_sync(b, sv + kk * 16 * kLd + j * 16, kLd);
+        wmma::mma_sync(acc_o[j], a_hi, b, acc_o[j]);
+        if (p.fp16_correction) wmma::mma_sync(acc_o[j], a_lo, b, acc_o[j]);
       }
     }
     __syncwarp();  // the scratch, P and alpha are rewritten by the next block
   }
   l += __shfl_xor_sync(0xffffffff, l, 16);
 
-  // ---- Epilogue: O = (O + 2^-11 O_lo) / l by rows, stored through the scratch; lse = m scale + log(l).
+  // ---- Epilogue: O = O / l by rows (both in units of 2^p_shift P), stored through the scratch;
+  // lse = m scale + log(l 2^-p_shift).
   const bool empty = l == 0.f;  // no visible key: O = 0, lse = +inf (as the sm80 kernel)
   if (my_half == 0) alpha_rows[my_row] = empty ? 0.f : 1.f / l;
   __syncwarp();
@@ -251,16 +259,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   CUTE_UNROLL
   for (int j = 0; j < kHeadDim / 16; ++j) {
     CUTE_UNROLL
-    for (int i = 0; i < kFragElems; ++i) {
-      if constexpr (Traits::kLoAccumulators) acc_o[j].x[i] += acc_lo[j].x[i] * (1.f / kLoScale);
-      acc_o[j].x[i] *= inv_of[i];
-    }
+    for (int i = 0; i < kFragElems; ++i) acc_o[j].x[i] *= inv_of[i];
     store_tile_fp16(acc_o[j], 1.f, scratch, out + int64_t(row0) * p.o_row_stride + j * 16, p.o_row_stride,
                     p.seqlen_q - row0, p.head_dim - j * 16);
   }
   if (my_half == 0 && q_row < p.seqlen_q) {
     p.lse[(int64_t(batch) * p.nheads + head) * p.seqlen_q + q_row] =
-        empty ? INFINITY : m * p.softmax_scale + logf(l);
+        empty ? INFINITY : m * p.softmax_scale + logf(l) - p_shift * 0.6931471805599453f;
   }
 }
 

@@ -18,13 +18,13 @@ using FragBRow = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __ha
 using FragBCol = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half, nvcuda::wmma::col_major>;
 using FragAcc = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>;
 
-// The split of error-corrected fp16: x = hi + 2^-11 lo with hi = fp16(x), lo = fp16((x - hi) 2^11).
-constexpr float kLoScale = 2048.f;
-
-__device__ __forceinline__ void split_hi_lo(float x, __half& hi, __half& lo) {
-  hi = __float2half_rn(x);
-  lo = __float2half_rn((x - __half2float(hi)) * kLoScale);
-}
+// Error-corrected fp16 splits x into hi = fp16(x) and lo = fp16((x - hi) 2^11), and a product with an fp16
+// B is hi B + 2^-11 lo B, accumulated in fp32. The kernels store hi' = 2^11 hi instead: they split
+// v = 2^11 x (the factor folded into a scale they apply anyway) as hi' = fp16(v) and lo = fp16(v - hi'),
+// the same pair with hi exact times 2^11 (away from fp16's subnormals, where hi' is the more precise).
+// Then hi' B + lo B = 2^11 (hi B + 2^-11 lo B) goes into one fp32 accumulator: no second accumulator,
+// and no 2^-11 to apply per product.
+constexpr float kLoScaleLog2 = 11.f;
 
 // kCols consecutive floats of shared memory at src (aligned to their size, up to 16 bytes) into dst, with
 // vector loads. With two 16-byte halves, `swap` reads the second first (a bank rotation; dst is in
@@ -55,15 +55,20 @@ __device__ __forceinline__ void load_floats(float (&dst)[kCols], float const* sr
   }
 }
 
-// x[0..kCols) split into hi / lo halves (split_hi_lo), each stored to shared memory with one vector store
-// (hi and lo aligned to kCols halves, at most 16 bytes).
+// v = x[0..kCols) scale split into hi' = fp16(v) and lo = fp16(v - hi') (see kLoScaleLog2), each stored
+// to shared memory with one vector store (hi and lo aligned to kCols halves, at most 16 bytes).
 template <int kCols>
 __device__ __forceinline__ void store_split(float const (&x)[kCols], float scale, __half* hi, __half* lo) {
   static_assert(kCols == 2 || kCols == 4 || kCols == 8);
   using Vec = std::conditional_t<kCols == 8, uint4, std::conditional_t<kCols == 4, uint2, uint32_t>>;
-  __align__(16) __half h[kCols], l[kCols];
+  __align__(16) __half2 h[kCols / 2], l[kCols / 2];
   CUTE_UNROLL
-  for (int c = 0; c < kCols; ++c) split_hi_lo(x[c] * scale, h[c], l[c]);
+  for (int c = 0; c < kCols / 2; ++c) {
+    const float v0 = x[2 * c] * scale, v1 = x[2 * c + 1] * scale;
+    h[c] = __floats2half2_rn(v0, v1);
+    const float2 back = __half22float2(h[c]);
+    l[c] = __floats2half2_rn(v0 - back.x, v1 - back.y);
+  }
   *reinterpret_cast<Vec*>(hi) = *reinterpret_cast<Vec const*>(h);
   *reinterpret_cast<Vec*>(lo) = *reinterpret_cast<Vec const*>(l);
 }
@@ -97,30 +102,35 @@ __device__ __forceinline__ void mma_tile(FragAcc& acc, __half const* a, int lda,
   }
 }
 
-// acc += scale (A_hi + 2^-11 A_lo) B: the error-corrected product of an fp32 A (split into a_hi, a_lo
-// of the same layout) with an fp16 B, both partial products accumulated in fp32. Without `correction`
-// the lo product is skipped (plain fp16 A, for comparison). The uniform scale and 2^-11 need no
-// knowledge of WMMA's (unspecified) accumulator layout.
+// acc += hi' B + lo B: the error-corrected product of a split fp32 A (a_hi, a_lo of the same layout, see
+// kLoScaleLog2) with an fp16 B, in units of A's 2^11 x. Without `correction` the lo product is skipped
+// (plain fp16 A, for comparison).
 template <int kK, bool kATransposed, bool kBTransposed>
-__device__ __forceinline__ void mma_tile_corrected(FragAcc& acc, __half const* a_hi, __half const* a_lo, int lda,
-                                                   __half const* b, int ldb, float scale, bool correction) {
-  FragAcc hi_part, lo_part;
-  nvcuda::wmma::fill_fragment(hi_part, 0.f);
-  nvcuda::wmma::fill_fragment(lo_part, 0.f);
+__device__ __forceinline__ void mma_tile_split(FragAcc& acc, __half const* a_hi, __half const* a_lo, int lda,
+                                               __half const* b, int ldb, bool correction) {
   CUTE_UNROLL
   for (int k = 0; k < kK / 16; ++k) {
     FragBOf<kBTransposed> fb;
     nvcuda::wmma::load_matrix_sync(fb, k_step<!kBTransposed>(b, ldb, k), ldb);
     FragAOf<kATransposed> fa;
     nvcuda::wmma::load_matrix_sync(fa, k_step<kATransposed>(a_hi, lda, k), lda);
-    nvcuda::wmma::mma_sync(hi_part, fa, fb, hi_part);
+    nvcuda::wmma::mma_sync(acc, fa, fb, acc);
     if (correction) {
       nvcuda::wmma::load_matrix_sync(fa, k_step<kATransposed>(a_lo, lda, k), lda);
-      nvcuda::wmma::mma_sync(lo_part, fa, fb, lo_part);
+      nvcuda::wmma::mma_sync(acc, fa, fb, acc);
     }
   }
+}
+
+// acc += scale (hi' B + lo B), through a fresh accumulator (for a scale that changes from step to step).
+template <int kK, bool kATransposed, bool kBTransposed>
+__device__ __forceinline__ void mma_tile_split_scaled(FragAcc& acc, __half const* a_hi, __half const* a_lo, int lda,
+                                                      __half const* b, int ldb, float scale, bool correction) {
+  FragAcc part;
+  nvcuda::wmma::fill_fragment(part, 0.f);
+  mma_tile_split<kK, kATransposed, kBTransposed>(part, a_hi, a_lo, lda, b, ldb, correction);
   CUTE_UNROLL
-  for (int i = 0; i < acc.num_elements; ++i) acc.x[i] += (hi_part.x[i] + lo_part.x[i] * (1.f / kLoScale)) * scale;
+  for (int i = 0; i < acc.num_elements; ++i) acc.x[i] += part.x[i] * scale;
 }
 
 // Writes acc * scale (a 16x16 fp32 tile) as fp16 to out, a row-major global matrix, through the warp's
@@ -142,7 +152,8 @@ __device__ __forceinline__ void store_tile_fp16(FragAcc const& acc, float scale,
 
 // Global -> shared copies of (kRows, kHeadDim) fp16 tiles through registers, 16 bytes per thread
 // (Volta has no cp.async): kThreadsPerRow threads per row, as many threads of the block as the tile
-// can use (the rest skip the copy).
+// can use (the rest skip the copy). copy() does both halves at once; load() and store() split them, so
+// that the next tile's loads are in flight while the block computes on the current one.
 template <int kRows, int kHeadDim, int kNThreads>
 struct GmemTileCopy {
   static constexpr int kThreadsPerRow = kHeadDim % 64 == 0 ? 8 : 4;
@@ -162,6 +173,28 @@ struct GmemTileCopy {
     auto thr = tiled_copy.get_thread_slice(tid);
     Tensor coord = thr.partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
     copy_tile_bounded<true>(tiled_copy, thr.partition_S(gmem), thr.partition_D(smem), coord, rows_left, head_dim);
+  }
+
+  // A thread's share of a tile in registers, for load() and store().
+  __device__ static auto make_regs() {
+    auto coord = TiledCopy{}.get_slice(0).partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
+    return make_tensor<half_t>(shape(coord));
+  }
+
+  template <typename GTensor, typename Regs>
+  __device__ static void load(GTensor const& gmem, Regs& regs, int rows_left, int head_dim, int tid) {
+    if (tid >= kThreads) return;
+    TiledCopy tiled_copy;
+    auto thr = tiled_copy.get_thread_slice(tid);
+    Tensor coord = thr.partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
+    copy_tile_bounded<true>(tiled_copy, thr.partition_S(gmem), regs, coord, rows_left, head_dim);
+  }
+
+  template <typename Regs, typename STensor>
+  __device__ static void store(Regs const& regs, STensor& smem, int tid) {
+    if (tid >= kThreads) return;
+    TiledCopy tiled_copy;
+    cute::copy(tiled_copy, regs, tiled_copy.get_thread_slice(tid).partition_D(smem));
   }
 };
 
