@@ -33,12 +33,25 @@ struct BwdTraits {
   static constexpr int kBlockN = kBlockN_;  // keys per step (of a dK/dV thread block: all of its keys)
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
+  // Blocks per SM that the registers must allow (__launch_bounds__; 0: the compiler's choice). On the
+  // sm70 family's own GPUs one block fills the shared memory (64-96 KB per SM), but where the family
+  // is compiled for a larger GPU (to test it there) two fit: capping head dims <= 128 at 128 registers
+  // lets them run. H200, forced sm70, d=128: 165 -> 128 registers (36 bytes of spills), backward
+  // 86 -> 104 TFLOP/s at S=8192. (An explicit 1 is not the same as none: ptxas then takes up to 255.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static constexpr int kMinBlocks = kHeadDim <= 128 ? 2 : 0;
+#else
+  static constexpr int kMinBlocks = 0;
+#endif
   static_assert(kHeadDim % 32 == 0 && kBlockM % 16 == 0 && kBlockN % 16 == 0);
 
   // Row-major shared tiles padded by 16 bytes per row against bank conflicts (WMMA loads take a
   // pointer and a leading dimension: no swizzle).
   static constexpr int kLdQKV = kHeadDim + 8;  // halves
-  static constexpr int kLdS = kBlockN + 4;     // floats: S, then dP, (kBlockM, kBlockN)
+  // floats: S and dP, (kBlockM, kBlockN) each. Rows 8 banks apart: the accumulator stores of 16 lanes
+  // (4 rows of 8-byte pairs, as WMMA lowers on sm80+) hit distinct banks; the element-wise reads take one
+  // row per quarter-warp and do not care.
+  static constexpr int kLdS = kBlockN + 8;
   static constexpr int kLdP = kBlockN + 8;     // halves: P and dS hi / lo, (kBlockM, kBlockN)
 
   // The element-wise phase: each thread owns kCols consecutive columns of one row of S and dP.
@@ -188,7 +201,7 @@ __device__ __forceinline__ void red_add_tile(FragAcc const& acc, float scale, fl
 }
 
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_kernel(const BwdParams p) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
