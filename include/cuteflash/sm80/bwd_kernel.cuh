@@ -4,7 +4,7 @@
 // (batch, head) and walks the query blocks that see them, recomputing P from Q, K and the saved
 // log-sum-exp. One step:
 //   S = Q K^T  ->  P = exp(scale S - lse) to shared memory  ->  dP = dO V^T  ->  dS = P (dP - D) too
-//   dV += P^T dO  ->  dQ = dS K (fp32 atomics into dq_accum)  ->  dK += dS^T Q
+//   dV += P^T dO  ->  dK += dS^T Q  ->  dQ = dS K (fp32 atomics into dq_accum)
 // dK and dV stay in registers until the end. dS carries the softmax scale (dS = scale P (dP - D)), so
 // the products give dQ and dK directly. The next step's loads hide behind this one's products: Q
 // (double-buffered) is issued right after S, dO once dV has read the current one.
@@ -266,6 +266,17 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
       cp_async_commit();
     }
 
+    // Once in the code: with a copy in each branch below, nvcc predicated both and issued them all.
+    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, make_tensor(tdKsQt.data() + q_stage * kQSize, tdKsQt.layout()),
+            mma_dkv, copy_a_dkv, thr_a_dkv, copy_b_dkv, thr_b_dkv);
+    if (kQStages == 1 && has_next) {
+      __syncthreads();  // no warp reads Q any more
+      load_q(m_block + 1, 0);
+      cp_async_commit();
+    }
+    // dQ last: the registers its reductions read are reused by the next step's first products only after
+    // the loop's barrier, not by dK's fragment loads right away (ncu, d=128: the first ldmatrix of dK,
+    // which waited for the reductions, was the kernel's top stall).
     if (!p.deterministic) {  // rows past seqlen_q and columns past head_dim add zeros to the padding
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
       clear(acc_dq);
@@ -280,14 +291,6 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
           global_red_add(slots + i * Traits::kNThreads, acc_dq(i));
         }
       }
-    }
-    // Once in the code: with a copy in each branch above, nvcc predicated both and issued them all.
-    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, make_tensor(tdKsQt.data() + q_stage * kQSize, tdKsQt.layout()),
-            mma_dkv, copy_a_dkv, thr_a_dkv, copy_b_dkv, thr_b_dkv);
-    if (kQStages == 1 && has_next) {
-      __syncthreads();  // no warp reads Q any more
-      load_q(m_block + 1, 0);
-      cp_async_commit();
     }
     q_stage ^= kQStages - 1;
   }
