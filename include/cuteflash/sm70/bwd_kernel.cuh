@@ -96,6 +96,20 @@ __device__ __forceinline__ void for_warp_tiles(int warp, F&& f) {
   }
 }
 
+// for_warp_tiles over the output tiles of a product with a row-major (kK, *) B in shared memory at b,
+// passing each tile's B slice (FragBSlice) as f(i, tile_row, tile_col, slice): loaded once per warp where
+// its tiles share their columns (kNWarps a multiple of kTileCols: head dims 32, 64, 128), else per tile.
+template <int kTiles, int kTileCols, int kNWarps, int kK, typename F>
+__device__ __forceinline__ void for_warp_tiles_of_b(int warp, __half const* b, int ldb, F&& f) {
+  if constexpr (kNWarps % kTileCols == 0) {
+    const FragBSlice<kK> slice(b + warp % kTileCols * 16, ldb);
+    for_warp_tiles<kTiles, kTileCols, kNWarps>(warp, [&](int i, int row, int col) { f(i, row, col, slice); });
+  } else {
+    for_warp_tiles<kTiles, kTileCols, kNWarps>(
+        warp, [&](int i, int row, int col) { f(i, row, col, FragBSlice<kK>(b + col * 16, ldb)); });
+  }
+}
+
 // One step of either kernel: query block m_block against key block n_block, with Q, dO, K and V of the
 // blocks in shared memory. Writes P p_scale(p) and dS s (s chosen per step) split in hi' / lo to shared
 // memory, and returns 1 / s; `row` is the calling thread's row of the element-wise phase
@@ -278,22 +292,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
 
     // dV += P^T dO (in units of p_scale) and dK += dS^T Q / s: A read transposed from P / dS, K = the
     // step's queries.
-    for_warp_tiles<Traits::kKeyTiles, kTilesD, Traits::kNWarps>(warp, [&](int i, int nt, int dt) {
-      mma_tile_split<kBlockM, true, false>(acc_dv[i], p_hi + nt * 16, p_lo + nt * 16, kLdP, s_do + dt * 16, kLd,
-                                           p.fp16_correction);
-      mma_tile_split_scaled<kBlockM, true, false>(acc_dk[i], ds_hi + nt * 16, ds_lo + nt * 16, kLdP, s_q + dt * 16,
-                                                  kLd, ds_unscale, p.fp16_correction);
-    });
+    for_warp_tiles_of_b<Traits::kKeyTiles, kTilesD, Traits::kNWarps, kBlockM>(
+        warp, s_do, kLd, [&](int i, int nt, int, FragBSlice<kBlockM> const& b) {
+          mma_tile_split<kBlockM, true>(acc_dv[i], p_hi + nt * 16, p_lo + nt * 16, kLdP, b, p.fp16_correction);
+        });
+    for_warp_tiles_of_b<Traits::kKeyTiles, kTilesD, Traits::kNWarps, kBlockM>(
+        warp, s_q, kLd, [&](int i, int nt, int, FragBSlice<kBlockM> const& b) {
+          mma_tile_split_scaled<kBlockM, true>(acc_dk[i], ds_hi + nt * 16, ds_lo + nt * 16, kLdP, b, ds_unscale,
+                                               p.fp16_correction);
+        });
     if (!p.deterministic) {  // dQ += scale dS K / s, added to the fp32 buffer tile by tile
-      for_warp_tiles<Traits::kQueryTiles, kTilesD, Traits::kNWarps>(warp, [&](int, int mt, int dt) {
-        FragAcc acc;
-        nvcuda::wmma::fill_fragment(acc, 0.f);
-        mma_tile_split<kBlockN, false, false>(acc, ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP, s_k + dt * 16,
-                                              kLd, p.fp16_correction);
-        int row0 = m_block * kBlockM + mt * 16;
-        red_add_tile(acc, p.softmax_scale * ds_unscale, stage, dq_accum + int64_t(row0) * kHeadDim + dt * 16,
-                     kHeadDim, p.seqlen_q - row0, p.head_dim - dt * 16);
-      });
+      for_warp_tiles_of_b<Traits::kQueryTiles, kTilesD, Traits::kNWarps, kBlockN>(
+          warp, s_k, kLd, [&](int, int mt, int dt, FragBSlice<kBlockN> const& b) {
+            FragAcc acc;
+            nvcuda::wmma::fill_fragment(acc, 0.f);
+            mma_tile_split<kBlockN, false>(acc, ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP, b,
+                                           p.fp16_correction);
+            const int row0 = m_block * kBlockM + mt * 16;
+            red_add_tile(acc, p.softmax_scale * ds_unscale, stage, dq_accum + int64_t(row0) * kHeadDim + dt * 16,
+                         kHeadDim, p.seqlen_q - row0, p.head_dim - dt * 16);
+          });
     }
   }
   __syncthreads();  // the staging tiles alias the scratch: no warp still reads it (also with no step)
@@ -364,10 +382,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
     Traits::CopyKV::copy(gV.block(n_block), sV, keys_left, p.head_dim, tid);
     __syncthreads();
     const float ds_unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
-    for_warp_tiles<Traits::kQueryTiles, kTilesD, Traits::kNWarps>(warp, [&](int i, int mt, int dt) {
-      mma_tile_split_scaled<kBlockN, false, false>(acc_dq[i], ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP,
-                                                   s_k + dt * 16, kLd, ds_unscale, p.fp16_correction);
-    });
+    for_warp_tiles_of_b<Traits::kQueryTiles, kTilesD, Traits::kNWarps, kBlockN>(
+        warp, s_k, kLd, [&](int i, int mt, int, FragBSlice<kBlockN> const& b) {
+          mma_tile_split_scaled<kBlockN, false>(acc_dq[i], ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP, b,
+                                                ds_unscale, p.fp16_correction);
+        });
   }
   __syncthreads();  // the staging tiles alias the scratch
 

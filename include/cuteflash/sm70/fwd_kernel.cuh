@@ -5,11 +5,11 @@
 // their own row numbers into an accumulator fragment, which tells each thread the row of each of its
 // elements (every accumulator fragment of the type shares that mapping). Per key block, each warp:
 //   S = Q K^T (16 query rows) -> shared scratch, where lanes r and r + 16 own row r
-//   -> new row max m, alpha = exp(m_old - m), P = exp(scale (S - m)) split into hi = fp16(P) and
-//      lo = fp16((P - hi) 2^11), row sum l
-//   -> O *= alpha (per element, by its row), O += hi V and O_lo += lo V, both in fp32
-// and O = (O + 2^-11 O_lo) / l at the end. Above head dim 128 there are not registers for O_lo: each
-// output tile's lo product is added right away instead.
+//   -> new row max m, alpha = exp(m_old - m), P = exp(scale (S - m)) split into hi and lo (wmma.cuh:
+//      stored as hi' = 2^11 hi and lo), row sum l
+//   -> O *= alpha (per element, by its row; skipped when no row max of the warp moved), then
+//      O += hi' V + lo V in one fp32 accumulator
+// and O = O / l at the end.
 #pragma once
 
 #include "cuteflash/block_info.cuh"
@@ -197,7 +197,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     for (int c = 0; c < kColsPerLane; ++c) block_max = fmaxf(block_max, s[c]);
     const float m_new = fmaxf(m, fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 16)));
     const float m_scaled = m_new == -INFINITY ? 0.f : m_new * p.softmax_scale_log2;
-    const float alpha = exp2_approx(m * p.softmax_scale_log2 - m_scaled);  // 0 while O is still 0
+    // 0 while O is still 0; exactly 1 where the max stays (so is O's rescale, and the warp skips it).
+    const float alpha = m_new == m ? 1.f : exp2_approx(m * p.softmax_scale_log2 - m_scaled);
+    const bool rescale = __any_sync(0xffffffff, m_new != m);
     float sum = 0.f;
     CUTE_UNROLL
     for (int i = 0; i < kQuads; ++i) {
@@ -219,14 +221,16 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
       Traits::CopyKV::load(gV.block(n_block + 1), kv_regs, keys_left(n_block + 1), p.head_dim, tid);
     }
 
-    // O *= alpha by rows, then O += hi V (+ 2^-11 lo V).
-    float alpha_of[kFragElems];
-    CUTE_UNROLL
-    for (int i = 0; i < kFragElems; ++i) alpha_of[i] = alpha_rows[row_of[i]];
-    CUTE_UNROLL
-    for (int j = 0; j < kHeadDim / 16; ++j) {
+    // O *= alpha by rows, then O += hi' V + lo V.
+    if (rescale) {
+      float alpha_of[kFragElems];
       CUTE_UNROLL
-      for (int i = 0; i < kFragElems; ++i) acc_o[j].x[i] *= alpha_of[i];
+      for (int i = 0; i < kFragElems; ++i) alpha_of[i] = alpha_rows[row_of[i]];
+      CUTE_UNROLL
+      for (int j = 0; j < kHeadDim / 16; ++j) {
+        CUTE_UNROLL
+        for (int i = 0; i < kFragElems; ++i) acc_o[j].x[i] *= alpha_of[i];
+      }
     }
     auto const* sv = reinterpret_cast<__half const*>(smem.v.data());
     CUTE_UNROLL

@@ -102,33 +102,43 @@ __device__ __forceinline__ void mma_tile(FragAcc& acc, __half const* a, int lda,
   }
 }
 
+// The B operand of a 16-column slice of a row-major (kK, *) fp16 tile, all kK / 16 steps along K: loaded
+// once, it can serve several output tiles of the same columns.
+template <int kK>
+struct FragBSlice {
+  FragBRow step[kK / 16];
+
+  __device__ FragBSlice(__half const* b, int ldb) {
+    CUTE_UNROLL
+    for (int k = 0; k < kK / 16; ++k) nvcuda::wmma::load_matrix_sync(step[k], b + k * 16 * ldb, ldb);
+  }
+};
+
 // acc += hi' B + lo B: the error-corrected product of a split fp32 A (a_hi, a_lo of the same layout, see
 // kLoScaleLog2) with an fp16 B, in units of A's 2^11 x. Without `correction` the lo product is skipped
 // (plain fp16 A, for comparison).
-template <int kK, bool kATransposed, bool kBTransposed>
+template <int kK, bool kATransposed>
 __device__ __forceinline__ void mma_tile_split(FragAcc& acc, __half const* a_hi, __half const* a_lo, int lda,
-                                               __half const* b, int ldb, bool correction) {
+                                               FragBSlice<kK> const& b, bool correction) {
   CUTE_UNROLL
   for (int k = 0; k < kK / 16; ++k) {
-    FragBOf<kBTransposed> fb;
-    nvcuda::wmma::load_matrix_sync(fb, k_step<!kBTransposed>(b, ldb, k), ldb);
     FragAOf<kATransposed> fa;
     nvcuda::wmma::load_matrix_sync(fa, k_step<kATransposed>(a_hi, lda, k), lda);
-    nvcuda::wmma::mma_sync(acc, fa, fb, acc);
+    nvcuda::wmma::mma_sync(acc, fa, b.step[k], acc);
     if (correction) {
       nvcuda::wmma::load_matrix_sync(fa, k_step<kATransposed>(a_lo, lda, k), lda);
-      nvcuda::wmma::mma_sync(acc, fa, fb, acc);
+      nvcuda::wmma::mma_sync(acc, fa, b.step[k], acc);
     }
   }
 }
 
 // acc += scale (hi' B + lo B), through a fresh accumulator (for a scale that changes from step to step).
-template <int kK, bool kATransposed, bool kBTransposed>
+template <int kK, bool kATransposed>
 __device__ __forceinline__ void mma_tile_split_scaled(FragAcc& acc, __half const* a_hi, __half const* a_lo, int lda,
-                                                      __half const* b, int ldb, float scale, bool correction) {
+                                                      FragBSlice<kK> const& b, float scale, bool correction) {
   FragAcc part;
   nvcuda::wmma::fill_fragment(part, 0.f);
-  mma_tile_split<kK, kATransposed, kBTransposed>(part, a_hi, a_lo, lda, b, ldb, correction);
+  mma_tile_split<kK, kATransposed>(part, a_hi, a_lo, lda, b, correction);
   CUTE_UNROLL
   for (int i = 0; i < acc.num_elements; ++i) acc.x[i] += part.x[i] * scale;
 }
