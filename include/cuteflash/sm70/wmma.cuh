@@ -174,21 +174,19 @@ struct GmemTileCopy {
       Layout<Shape<Int<kThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>{},
       Layout<Shape<_1, _8>>{}));
 
-  // gmem: (kRows, kHeadDim) view of global memory; smem: the same shape in shared memory. Rows from
-  // rows_left and columns from head_dim on are zero-filled.
-  template <typename GTensor, typename STensor>
-  __device__ static void copy(GTensor const& gmem, STensor& smem, int rows_left, int head_dim, int tid) {
-    if (tid >= kThreads) return;
-    TiledCopy tiled_copy;
-    auto thr = tiled_copy.get_thread_slice(tid);
-    Tensor coord = thr.partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
-    copy_tile_bounded<true>(tiled_copy, thr.partition_S(gmem), thr.partition_D(smem), coord, rows_left, head_dim);
-  }
-
   // A thread's share of a tile in registers, for load() and store().
   __device__ static auto make_regs() {
     auto coord = TiledCopy{}.get_slice(0).partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
     return make_tensor<half_t>(shape(coord));
+  }
+
+  // gmem: (kRows, kHeadDim) view of global memory; smem: the same shape in shared memory. Rows from
+  // rows_left and columns from head_dim on are zero-filled.
+  template <typename GTensor, typename STensor>
+  __device__ static void copy(GTensor const& gmem, STensor& smem, int rows_left, int head_dim, int tid) {
+    auto regs = make_regs();
+    load(gmem, regs, rows_left, head_dim, tid);
+    store(regs, smem, tid);
   }
 
   template <typename GTensor, typename Regs>
