@@ -55,16 +55,18 @@ __global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_p
   if (lane == 0) p.d_rowsum[(int64_t(batch) * p.nheads + head) * p.seqlen_q + row] = sum;
 }
 
-// The lse (times log2 e) and D of a query row; rows past seqlen_q get P = 0 and dS = 0.
+// The lse and D of a query row; rows past seqlen_q get P = 0 and dS = 0. lse is kept as loaded and
+// scaled by log2(e) where it is used, so that a kernel can issue the loads well before it needs them.
 struct RowStats {
-  float lse_log2;
+  float lse;
   float d;
   RowStats() = default;
   __device__ RowStats(BwdParams const& p, int64_t row_stats, int row) {
     bool valid = row < p.seqlen_q;
-    lse_log2 = valid ? p.lse[row_stats + row] * 1.4426950408889634f : INFINITY;
+    lse = valid ? p.lse[row_stats + row] : INFINITY;
     d = valid ? p.d_rowsum[row_stats + row] : 0.f;
   }
+  __device__ float lse_log2() const { return lse * 1.4426950408889634f; }
 };
 
 // dq = dq_accum for regions laid out row-major, (dq_accum_rows, kHeadDim): a thread per 4 columns of a

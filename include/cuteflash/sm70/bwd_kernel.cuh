@@ -61,6 +61,8 @@ struct BwdTraits {
 
   // 16x16 output tiles of each product, dealt to the warps round-robin.
   static constexpr int kScoreTiles = (kBlockM / 16) * (kBlockN / 16);  // S, dP
+  // Tiles of a row of S or dP per warp (sharing A): 2 where the block has twice as many tiles as warps.
+  static constexpr int kScoreGroup = 2 * kScoreTiles >= 2 * kNWarps && (kBlockN / 16) % 2 == 0 ? 2 : 1;
   static constexpr int kKeyTiles = (kBlockN / 16) * (kHeadDim / 16);   // dK, dV
   static constexpr int kQueryTiles = (kBlockM / 16) * (kHeadDim / 16); // dQ
   static constexpr int kKeyTilesPerWarp = ceil_div(kKeyTiles, kNWarps);
@@ -124,26 +126,36 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
   const int warp = tid / 32;
   float* scratch = smem.scratch.data();
 
-  // S = Q K^T and dP = dO V^T into the two halves of the scratch, fp32: a warp computes the same tile
-  // of both, two independent chains of products (one barrier for both instead of one each).
-  float* scratch_dp = scratch + Traits::kBlockM * Traits::kLdS;
-  for (int t = warp; t < Traits::kScoreTiles; t += Traits::kNWarps) {
+  // S = Q K^T and dP = dO V^T into the two halves of the scratch, fp32. A warp computes kScoreGroup tiles
+  // of one row of either product: independent chains that share their A fragments (one barrier for
+  // both products instead of one each).
+  constexpr int kGroup = Traits::kScoreGroup;
+  constexpr int kUnits = Traits::kScoreTiles / kGroup;  // per product
+  for (int u = warp; u < 2 * kUnits; u += Traits::kNWarps) {
+    const bool dp = u >= kUnits;  // warp-uniform: dP = dO V^T, else S = Q K^T
+    const int t = (u % kUnits) * kGroup;
     const int mt = t / kTilesN, nt = t % kTilesN;
-    FragAcc acc_s, acc_dp;
-    nvcuda::wmma::fill_fragment(acc_s, 0.f);
-    nvcuda::wmma::fill_fragment(acc_dp, 0.f);
-    auto const* q = reinterpret_cast<__half const*>(smem.q.data()) + mt * 16 * kLd;
-    auto const* d_out = reinterpret_cast<__half const*>(smem.dout.data()) + mt * 16 * kLd;
-    auto const* k = reinterpret_cast<__half const*>(smem.k.data()) + nt * 16 * kLd;
-    auto const* v = reinterpret_cast<__half const*>(smem.v.data()) + nt * 16 * kLd;
+    auto const* a = reinterpret_cast<__half const*>(dp ? smem.dout.data() : smem.q.data()) + mt * 16 * kLd;
+    auto const* b = reinterpret_cast<__half const*>(dp ? smem.v.data() : smem.k.data()) + nt * 16 * kLd;
+    FragAcc acc[kGroup];
+    CUTE_UNROLL
+    for (int g = 0; g < kGroup; ++g) nvcuda::wmma::fill_fragment(acc[g], 0.f);
     CUTE_UNROLL
     for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
-      mma_tile<16, false, true>(acc_s, q + kk * 16, kLd, k + kk * 16, kLd);
-      mma_tile<16, false, true>(acc_dp, d_out + kk * 16, kLd, v + kk * 16, kLd);
+      FragA fa;
+      nvcuda::wmma::load_matrix_sync(fa, a + kk * 16, kLd);
+      CUTE_UNROLL
+      for (int g = 0; g < kGroup; ++g) {
+        FragBCol fb;  // K^T (V^T): element (k, n) is K[n][k]
+        nvcuda::wmma::load_matrix_sync(fb, b + g * 16 * kLd + kk * 16, kLd);
+        nvcuda::wmma::mma_sync(acc[g], fa, fb, acc[g]);
+      }
     }
-    const int at = mt * 16 * Traits::kLdS + nt * 16;
-    nvcuda::wmma::store_matrix_sync(scratch + at, acc_s, Traits::kLdS, nvcuda::wmma::mem_row_major);
-    nvcuda::wmma::store_matrix_sync(scratch_dp + at, acc_dp, Traits::kLdS, nvcuda::wmma::mem_row_major);
+    float* out = scratch + (dp ? Traits::kBlockM * Traits::kLdS : 0) + mt * 16 * Traits::kLdS + nt * 16;
+    CUTE_UNROLL
+    for (int g = 0; g < kGroup; ++g) {
+      nvcuda::wmma::store_matrix_sync(out + g * 16, acc[g], Traits::kLdS, nvcuda::wmma::mem_row_major);
+    }
   }
   __syncthreads();
 
@@ -167,9 +179,9 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
 
   float prob[kCols], ds[kCols];
   load_floats(prob, scratch + mine, swap);
-  load_floats(ds, scratch_dp + mine, swap);
+  load_floats(ds, scratch + Traits::kBlockM * Traits::kLdS + mine, swap);
   CUTE_UNROLL
-  for (int c = 0; c < kCols; ++c) prob[c] = exp2_approx(prob[c] * p.softmax_scale_log2 - row.lse_log2);
+  for (int c = 0; c < kCols; ++c) prob[c] = exp2_approx(prob[c] * p.softmax_scale_log2 - row.lse_log2());
   // Keys past the end or past a causal limit (rows past seqlen_q have lse = +inf: P = 0 already).
   const int block_key_limit = p.causal ? min(p.seqlen_k, m_block * Traits::kBlockM + p.seqlen_k - p.seqlen_q + 1)
                                        : p.seqlen_k;
@@ -201,17 +213,27 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
 
 // Adds acc * scale (a 16x16 fp32 tile) into out (row-major fp32 in global memory) with atomic
 // reductions, rows below rows_valid, columns below cols_valid. Each instruction covers two rows of 16.
+// The lane reads its 8 values first, so that it waits for shared memory once, not before every atomic.
 __device__ __forceinline__ void red_add_tile(FragAcc const& acc, float scale, float* stage, float* out,
                                              int64_t row_stride, int rows_valid, int cols_valid) {
   const int lane = threadIdx.x % 32;
   nvcuda::wmma::store_matrix_sync(stage, acc, 16, nvcuda::wmma::mem_row_major);
   __syncwarp();
+  const int r0 = lane / 16, c = lane % 16;
+  float x[8];
   CUTE_UNROLL
-  for (int i = 0; i < 8; ++i) {
-    int r = 2 * i + lane / 16, c = lane % 16;
-    if (r < rows_valid && c < cols_valid) global_red_add(out + r * row_stride + c, stage[r * 16 + c] * scale);
+  for (int i = 0; i < 8; ++i) x[i] = stage[(2 * i + r0) * 16 + c] * scale;
+  __syncwarp();  // the staging tile is free
+  out += r0 * row_stride + c;
+  if (rows_valid >= 16 && cols_valid >= 16) {
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) global_red_add(out + 2 * i * row_stride, x[i]);
+  } else if (c < cols_valid) {
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      if (2 * i + r0 < rows_valid) global_red_add(out + 2 * i * row_stride, x[i]);
+    }
   }
-  __syncwarp();
 }
 
 template <typename Traits>
@@ -269,24 +291,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
   float* dq_accum = dq_accum_region<kHeadDim>(p, batch, head);  // row-major
 
-  // Q, dO and the row statistics of the next query block are loaded into registers while this block's
-  // products run (Volta has no cp.async), and stored to shared memory at the top of the next step.
+  // Q and dO of the next query block are loaded into registers while this block's products run (Volta
+  // has no cp.async), and stored to shared memory at the top of the next step.
   auto q_regs = Traits::CopyQ::make_regs();
   auto do_regs = Traits::CopyQ::make_regs();
   auto load_step = [&](int m_block) {
     const int rows_left = p.seqlen_q - m_block * kBlockM;
     Traits::CopyQ::load(gQ.block(m_block), q_regs, rows_left, p.head_dim, tid);
     Traits::CopyQ::load(gdO.block(m_block), do_regs, rows_left, p.head_dim, tid);
-    return RowStats(p, row_stats, m_block * kBlockM + tid / Traits::kThreadsPerRow);
   };
-  RowStats next_row = m_block_min < m_block_max ? load_step(m_block_min) : RowStats{};
+  if (m_block_min < m_block_max) load_step(m_block_min);
 
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     __syncthreads();  // no warp still reads the previous Q, dO, P, dS or its staging tile
     Traits::CopyQ::store(q_regs, sQ, tid);
     Traits::CopyQ::store(do_regs, sdO, tid);
-    const RowStats row = next_row;
-    if (m_block + 1 < m_block_max) next_row = load_step(m_block + 1);
+    if (m_block + 1 < m_block_max) load_step(m_block + 1);
+    // The row statistics are loaded here and first used after S and dP: their products hide the
+    // latency (loaded a step ahead, they were spilled, which waits for the load at once).
+    const RowStats row(p, row_stats, m_block * kBlockM + tid / Traits::kThreadsPerRow);
     __syncthreads();
     const float ds_unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
 

@@ -48,7 +48,7 @@ __device__ __forceinline__ void load_row_stats(BwdParams const& p, int64_t row_s
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
     const RowStats row(p, row_stats, row0 + get<0>(coord(mi, 0)));
-    lse_log2[mi] = row.lse_log2;
+    lse_log2[mi] = row.lse_log2();
     d[mi] = row.d;
   }
 }
