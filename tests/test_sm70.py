@@ -9,7 +9,7 @@ from cuteflash import flash_attn_func
 from cuteflash._lib import select_family
 from cuteflash._ops import SM70_CORRECTION_ENV
 from cuteflash.reference import attention_ref
-from helpers import max_err
+from helpers import assert_close_2x, max_err
 from test_bwd import reference_grads
 
 pytestmark = pytest.mark.gpu
@@ -63,6 +63,41 @@ def test_backward_correction_halves_the_error(seqlen, logit_scale, dout_scale, m
         # Half the plain kernel's error, unless both are within the rounding of the output to fp16 (dv
         # here: P is error-corrected, but the fp16 output's own rounding dominates both kernels' error).
         assert err_c <= max(0.5 * err_u, floor), name
+
+
+def collapsing_case(kind):
+    """Inputs whose dS shrinks by many binades from one block of the backward to the next.
+    "dout": dO shrinks 2^-4 every 32 query rows under a peaked softmax. "probs": queries alternate, 32
+    rows at a time, between two directions that favour one of two key blocks each by about 65 nats, so a
+    key block's P drops to about 2^-94 from one query block to the next (and a query block's from one
+    key block to the next)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    shape = (2, 512, 2, 64) if kind == "dout" else (1, 256, 1, 64)
+    q, k, v, dout = (torch.randn(shape, device="cuda", generator=g) for _ in range(4))
+    rows = torch.arange(shape[1], device="cuda").view(1, -1, 1, 1)
+    if kind == "dout":
+        return [t.half() for t in (3 * q, 3 * k, v, dout * torch.exp2(-4.0 * (rows // 32)))]
+    e0 = torch.zeros(shape[-1], device="cuda")
+    e0[0] = 16.0
+    q = 0.5 * q + torch.where((rows // 32) % 2 == 0, 1.0, -1.0) * e0
+    k = 0.5 * k + torch.where((rows // 64) % 2 == 0, 1.0, -1.0) * e0
+    return [t.half() for t in (q, k, v, dout)]
+
+
+@pytest.mark.parametrize("kind", ["dout", "probs"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_gradients_collapsing_between_blocks(kind, deterministic):
+    """The backward keeps dK (and the deterministic dQ) in units of dS's scale, raised when a step's dS
+    is much smaller than the previous ones': it must stay exact and finite, also where the raise is
+    capped (the sums would near fp32's range)."""
+    q, k, v, dout = collapsing_case(kind)
+    ref = reference_grads(q, k, v, dout, False, torch.float64)
+    pt = reference_grads(q, k, v, dout, False, torch.float16)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    flash_attn_func(*leaves, deterministic=deterministic).backward(dout)
+    for name, leaf, r, p in zip(("dq", "dk", "dv"), leaves, ref, pt):
+        assert torch.isfinite(leaf.grad).all(), name
+        assert_close_2x(name, leaf.grad, r, p)
 
 
 def test_forward_correction_is_not_worse(monkeypatch):

@@ -8,11 +8,13 @@
 // P and dS are fp32 and feed fp16 tensor-core products, so each is stored split in hi' and lo (see
 // wmma.cuh) and both halves are multiplied, accumulating in fp32. Scaling keeps small values out of
 // fp16's subnormal range (below 2^-14, where precision drops, and 2^-24, where values flush to 0):
-// P <= 1 is split as v = 2^15 P, and dS as v = s dS with a power of two s per step that puts the step's
-// largest |v| in [2^14, 2^15) -- small gradients (small dO, long rows) would otherwise underflow. dV
-// accumulates in units of 2^15 P and is unscaled at the end; the dK and dQ products of a step are
-// unscaled by 1 / s as they are added. Without p.fp16_correction (for comparison) P and dS are
-// rounded to fp16 once, unscaled: what a plain fp16 kernel computes.
+// P <= 1 is split as v = 2^15 P, and dS as v = s dS with a power of two s that keeps the step's largest
+// |v| in [2^(15 - kDsSlack), 2^15) -- small gradients (small dO, long rows) would otherwise underflow.
+// s changes only when a step's largest |dS| leaves that range, so that dK (and the deterministic dQ)
+// accumulate in place in units of s, rescaled by the ratio of the powers of two when s moves; dV
+// accumulates in units of 2^15 P; both are unscaled at the end, the atomic dQ per step. Without
+// p.fp16_correction (for comparison) P and dS are rounded to fp16 once, unscaled: what a plain fp16
+// kernel computes.
 #pragma once
 
 #include "cuteflash/block_info.cuh"
@@ -25,6 +27,16 @@ namespace cuteflash::sm70 {
 constexpr float kPScale = 32768.f;  // 2^15: P <= 1, so P's fp16 hi' stays below fp16's 65504
 
 __device__ __forceinline__ float p_scale(BwdParams const& p) { return p.fp16_correction ? kPScale : 1.f; }
+
+// Bits of fp16 range below 2^15 that a step's largest |dS| s may fall short by before s is raised.
+constexpr int kDsSlack = 4;
+// A raise of s stops where the largest |sum| kept in units of s would pass 2^kSumExpCap: far from fp32's
+// 2^128 (a step adds at most 2^(15 + 16 + log2 kBlockM) per element), for dO whose magnitude collapses
+// from one query block to the next.
+constexpr int kSumExpCap = 100;
+
+// 2^e for -126 <= e <= 127, exactly.
+__device__ __forceinline__ float exp2f_int(int e) { return __int_as_float((e + 127) << 23); }
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_>
 struct BwdTraits {
@@ -43,6 +55,10 @@ struct BwdTraits {
 #else
   static constexpr int kMinBlocks = 0;
 #endif
+  // The order of a step's products. Above head dim 64 the registers are the scarcest: dQ comes first and
+  // the next Q and dO are loaded after it, so that they occupy registers through dV and dK only (H200,
+  // forced sm70, d=128: +3-4 %); at d=64 dV, dK, then dQ with the loads at the top is 1-2 % faster.
+  static constexpr bool kDqFirst = kHeadDim > 64;
   static_assert(kHeadDim % 32 == 0 && kBlockM % 16 == 0 && kBlockN % 16 == 0);
 
   // Row-major shared tiles padded by 16 bytes per row against bank conflicts (WMMA loads take a
@@ -66,6 +82,11 @@ struct BwdTraits {
   static constexpr int kKeyTiles = (kBlockN / 16) * (kHeadDim / 16);   // dK, dV
   static constexpr int kQueryTiles = (kBlockM / 16) * (kHeadDim / 16); // dQ
   static constexpr int kKeyTilesPerWarp = ceil_div(kKeyTiles, kNWarps);
+  // dV and dK: a warp's tiles share their rows (keys), so that it loads the P^T / dS^T slice once (the
+  // A operand, split: 4 fragments per 16 queries), where it has at most 2 tiles; with more, the
+  // registers are short, and its tiles share their columns (B: dO or Q, 1 fragment per 16 queries).
+  // H200, forced sm70: d=64 +1-2 %; sharing A at d=128 spills, -9 %.
+  static constexpr bool kKeyTilesShareA = kKeyTilesPerWarp <= 2 && kNWarps % (kBlockN / 16) == 0;
   static constexpr int kQueryTilesPerWarp = ceil_div(kQueryTiles, kNWarps);
 
   // The scratch holds S and dP side by side; between steps, each warp's 16x16 fp32 tile on its way out.
@@ -112,13 +133,46 @@ __device__ __forceinline__ void for_warp_tiles_of_b(int warp, __half const* b, i
   }
 }
 
+// for_warp_tiles over the output tiles of a product whose split A (a_hi / a_lo, kK along K) is stored
+// transposed (A^T row-major, e.g. P for P^T), enumerated column-major: tile t is (t % kTileRows,
+// t / kTileRows), passed as f(i, tile_row, tile_col, slice) with the A slice of its rows (FragASplitSlice),
+// loaded once per warp where its tiles share their rows (kNWarps a multiple of kTileRows), else per tile.
+template <int kTiles, int kTileRows, int kNWarps, int kK, typename F>
+__device__ __forceinline__ void for_warp_tiles_of_a(int warp, __half const* a_hi, __half const* a_lo, int lda,
+                                                    bool correction, F&& f) {
+  using Slice = FragASplitSlice<kK, true>;
+  if constexpr (kNWarps % kTileRows == 0) {
+    const int row = warp % kTileRows;
+    const Slice slice(a_hi + row * 16, a_lo + row * 16, lda, correction);
+    for_warp_tiles<kTiles, kTileRows, kNWarps>(warp, [&](int i, int col, int r) { f(i, r, col, slice); });
+  } else {
+    for_warp_tiles<kTiles, kTileRows, kNWarps>(warp, [&](int i, int col, int r) {
+      f(i, r, col, Slice(a_hi + r * 16, a_lo + r * 16, lda, correction));
+    });
+  }
+}
+
+// for_warp_tiles over the (kBlockN, kHeadDim) key tiles of dK and dV (f(i, key_tile, dim_tile)), in the
+// order of the backward's products: column-major where the warps share A (Traits::kKeyTilesShareA).
+template <typename Traits, typename F>
+__device__ __forceinline__ void for_key_tiles(int warp, F&& f) {
+  constexpr int kTilesN = Traits::kBlockN / 16, kTilesD = Traits::kHeadDim / 16;
+  if constexpr (Traits::kKeyTilesShareA) {
+    for_warp_tiles<Traits::kKeyTiles, kTilesN, Traits::kNWarps>(warp, [&](int i, int dt, int nt) { f(i, nt, dt); });
+  } else {
+    for_warp_tiles<Traits::kKeyTiles, kTilesD, Traits::kNWarps>(warp, f);
+  }
+}
+
 // One step of either kernel: query block m_block against key block n_block, with Q, dO, K and V of the
-// blocks in shared memory. Writes P p_scale(p) and dS s (s chosen per step) split in hi' / lo to shared
-// memory, and returns 1 / s; `row` is the calling thread's row of the element-wise phase
-// (tid / kThreadsPerRow).
-template <typename Traits>
+// blocks in shared memory. Writes P p_scale(p) and dS s split in hi' / lo to shared memory; s = 2^ds_exp,
+// the same in every thread (ds_exp = 0 before the first step), updated when this step's dS needs another.
+// Returns the factor (new s / old s, or 1) by which sums kept in units of s must be rescaled before this
+// step's dS is added; sum_abs_max() gives the largest |element| of the calling thread's share of them.
+// `row` holds the statistics of the calling thread's row of the element-wise phase (tid / kThreadsPerRow).
+template <typename Traits, typename SumAbsMax>
 __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams const& p, int m_block, int n_block,
-                                 RowStats const& row) {
+                                 RowStats const& row, int& ds_exp, SumAbsMax const& sum_abs_max) {
   constexpr int kLd = Traits::kLdQKV;
   constexpr int kCols = Traits::kCols;
   constexpr int kTilesN = Traits::kBlockN / 16;
@@ -202,13 +256,60 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
   __syncthreads();
   CUTE_UNROLL
   for (int w = 0; w < Traits::kNWarps; ++w) ds_max = fmaxf(ds_max, smem.warp_max[w]);
-  // s = 2^(15 - e) for max |dS| = f 2^e, f in [0.5, 1): the largest element lands in [2^14, 2^15).
+  // The ideal s = 2^(15 - e) for max |dS| = f 2^e, f in [0.5, 1), puts the largest element in
+  // [2^14, 2^15); s stays while it is at most that and at least 2^-kDsSlack of it.
   int e = 0;
   frexpf(ds_max, &e);
-  const float ds_scale = ds_max > 0.f && p.fp16_correction ? ldexpf(1.f, min(15 - e, 126)) : 1.f;
-  store_split(ds, ds_scale, ds_hi, ds_lo);
+  float rescale = 1.f;
+  if (ds_max > 0.f && p.fp16_correction) {
+    const int ideal_exp = min(15 - e, 126);  // |dS| <= FLT_MAX < 2^128: at least 2^-113, a normal float
+    if (ds_exp > ideal_exp) {  // must come down: s dS would pass fp16's range
+      rescale = ldexpf(1.f, ideal_exp - ds_exp);
+      ds_exp = ideal_exp;
+    } else if (ds_exp < ideal_exp - kDsSlack) {  // rare: raised as far as the sums allow
+      __syncthreads();  // every thread has read warp_max
+      float m = sum_abs_max();
+      CUTE_UNROLL
+      for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, offset));
+      if (tid % 32 == 0) smem.warp_max[warp] = m;
+      __syncthreads();
+      CUTE_UNROLL
+      for (int w = 0; w < Traits::kNWarps; ++w) m = fmaxf(m, smem.warp_max[w]);
+      int sum_exp = 0;  // m < 2^sum_exp
+      frexpf(m, &sum_exp);
+      const int raise = m > 0.f ? min(ideal_exp - ds_exp, kSumExpCap - sum_exp) : ideal_exp - ds_exp;
+      if (raise > 0) {
+        if (m > 0.f) rescale = exp2f_int(raise);  // sums of 0 stay 0 in any units
+        ds_exp += raise;
+      }
+    }
+  }
+  store_split(ds, exp2f_int(ds_exp), ds_hi, ds_lo);
   __syncthreads();  // P and dS are complete; the scratch is free
-  return 1.f / ds_scale;
+  return rescale;
+}
+
+// The largest |element| of a thread's share of a warp's accumulator tiles.
+template <int kTiles>
+__device__ __forceinline__ float abs_max_of_tiles(FragAcc const (&acc)[kTiles]) {
+  float m = 0.f;
+  CUTE_UNROLL
+  for (int i = 0; i < kTiles; ++i) {
+    CUTE_UNROLL
+    for (int j = 0; j < acc[i].num_elements; ++j) m = fmaxf(m, fabsf(acc[i].x[j]));
+  }
+  return m;
+}
+
+// acc *= factor for each of a warp's accumulator tiles (a block-uniform factor of 1: nothing).
+template <int kTiles>
+__device__ __forceinline__ void rescale_tiles(FragAcc (&acc)[kTiles], float factor) {
+  if (factor == 1.f) return;
+  CUTE_UNROLL
+  for (int i = 0; i < kTiles; ++i) {
+    CUTE_UNROLL
+    for (int j = 0; j < acc[i].num_elements; ++j) acc[i].x[j] *= factor;
+  }
 }
 
 // Adds acc * scale (a 16x16 fp32 tile) into out (row-major fp32 in global memory) with atomic
@@ -244,6 +345,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   constexpr int kLd = Traits::kLdQKV;
   constexpr int kLdP = Traits::kLdP;
   constexpr int kTilesD = kHeadDim / 16;
+  constexpr int kTilesN = kBlockN / 16;
   extern __shared__ __align__(128) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
@@ -275,6 +377,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
                        sV, keys_left, p.head_dim, tid);
 
   FragAcc acc_dk[Traits::kKeyTilesPerWarp], acc_dv[Traits::kKeyTilesPerWarp];
+  int ds_exp = 0;  // dK is kept in units of 2^ds_exp (probs_and_grads)
   CUTE_UNROLL
   for (int i = 0; i < Traits::kKeyTilesPerWarp; ++i) {
     nvcuda::wmma::fill_fragment(acc_dk[i], 0.f);
@@ -302,39 +405,63 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   };
   if (m_block_min < m_block_max) load_step(m_block_min);
 
+  // dV += P^T dO (in units of p_scale) and dK += dS^T Q (in units of s): A read transposed from P / dS,
+  // K = the step's queries.
+  auto dv_dk = [&] {
+    if constexpr (Traits::kKeyTilesShareA) {
+      for_warp_tiles_of_a<Traits::kKeyTiles, kTilesN, Traits::kNWarps, kBlockM>(
+          warp, p_hi, p_lo, kLdP, p.fp16_correction, [&](int i, int, int dt, auto const& a) {
+            mma_tile_split(acc_dv[i], a, s_do + dt * 16, kLd, p.fp16_correction);
+          });
+      for_warp_tiles_of_a<Traits::kKeyTiles, kTilesN, Traits::kNWarps, kBlockM>(
+          warp, ds_hi, ds_lo, kLdP, p.fp16_correction, [&](int i, int, int dt, auto const& a) {
+            mma_tile_split(acc_dk[i], a, s_q + dt * 16, kLd, p.fp16_correction);
+          });
+    } else {
+      for_warp_tiles_of_b<Traits::kKeyTiles, kTilesD, Traits::kNWarps, kBlockM>(
+          warp, s_do, kLd, [&](int i, int nt, int, FragBSlice<kBlockM> const& b) {
+            mma_tile_split<kBlockM, true>(acc_dv[i], p_hi + nt * 16, p_lo + nt * 16, kLdP, b, p.fp16_correction);
+          });
+      for_warp_tiles_of_b<Traits::kKeyTiles, kTilesD, Traits::kNWarps, kBlockM>(
+          warp, s_q, kLd, [&](int i, int nt, int, FragBSlice<kBlockM> const& b) {
+            mma_tile_split<kBlockM, true>(acc_dk[i], ds_hi + nt * 16, ds_lo + nt * 16, kLdP, b, p.fp16_correction);
+          });
+    }
+  };
+  // dQ += scale dS K / s, added to the fp32 buffer tile by tile.
+  auto dq = [&](int m_block) {
+    if (p.deterministic) return;
+    const float scale = p.softmax_scale * exp2f_int(-ds_exp);
+    for_warp_tiles_of_b<Traits::kQueryTiles, kTilesD, Traits::kNWarps, kBlockN>(
+        warp, s_k, kLd, [&](int, int mt, int dt, FragBSlice<kBlockN> const& b) {
+          FragAcc acc;
+          nvcuda::wmma::fill_fragment(acc, 0.f);
+          mma_tile_split<kBlockN, false>(acc, ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP, b,
+                                         p.fp16_correction);
+          const int row0 = m_block * kBlockM + mt * 16;
+          red_add_tile(acc, scale, stage, dq_accum + int64_t(row0) * kHeadDim + dt * 16, kHeadDim,
+                       p.seqlen_q - row0, p.head_dim - dt * 16);
+        });
+  };
+
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     __syncthreads();  // no warp still reads the previous Q, dO, P, dS or its staging tile
     Traits::CopyQ::store(q_regs, sQ, tid);
     Traits::CopyQ::store(do_regs, sdO, tid);
-    if (m_block + 1 < m_block_max) load_step(m_block + 1);
+    if (!Traits::kDqFirst && m_block + 1 < m_block_max) load_step(m_block + 1);
     // The row statistics are loaded here and first used after S and dP: their products hide the
     // latency (loaded a step ahead, they were spilled, which waits for the load at once).
     const RowStats row(p, row_stats, m_block * kBlockM + tid / Traits::kThreadsPerRow);
     __syncthreads();
-    const float ds_unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
-
-    // dV += P^T dO (in units of p_scale) and dK += dS^T Q / s: A read transposed from P / dS, K = the
-    // step's queries.
-    for_warp_tiles_of_b<Traits::kKeyTiles, kTilesD, Traits::kNWarps, kBlockM>(
-        warp, s_do, kLd, [&](int i, int nt, int, FragBSlice<kBlockM> const& b) {
-          mma_tile_split<kBlockM, true>(acc_dv[i], p_hi + nt * 16, p_lo + nt * 16, kLdP, b, p.fp16_correction);
-        });
-    for_warp_tiles_of_b<Traits::kKeyTiles, kTilesD, Traits::kNWarps, kBlockM>(
-        warp, s_q, kLd, [&](int i, int nt, int, FragBSlice<kBlockM> const& b) {
-          mma_tile_split_scaled<kBlockM, true>(acc_dk[i], ds_hi + nt * 16, ds_lo + nt * 16, kLdP, b, ds_unscale,
-                                               p.fp16_correction);
-        });
-    if (!p.deterministic) {  // dQ += scale dS K / s, added to the fp32 buffer tile by tile
-      for_warp_tiles_of_b<Traits::kQueryTiles, kTilesD, Traits::kNWarps, kBlockN>(
-          warp, s_k, kLd, [&](int, int mt, int dt, FragBSlice<kBlockN> const& b) {
-            FragAcc acc;
-            nvcuda::wmma::fill_fragment(acc, 0.f);
-            mma_tile_split<kBlockN, false>(acc, ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP, b,
-                                           p.fp16_correction);
-            const int row0 = m_block * kBlockM + mt * 16;
-            red_add_tile(acc, p.softmax_scale * ds_unscale, stage, dq_accum + int64_t(row0) * kHeadDim + dt * 16,
-                         kHeadDim, p.seqlen_q - row0, p.head_dim - dt * 16);
-          });
+    rescale_tiles(acc_dk, probs_and_grads<Traits>(smem, p, m_block, n_block, row, ds_exp,
+                                                  [&] { return abs_max_of_tiles(acc_dk); }));
+    if constexpr (Traits::kDqFirst) {
+      dq(m_block);
+      if (m_block + 1 < m_block_max) load_step(m_block + 1);
+      dv_dk();
+    } else {
+      dv_dk();
+      dq(m_block);
     }
   }
   __syncthreads();  // the staging tiles alias the scratch: no warp still reads it (also with no step)
@@ -342,9 +469,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   // dK = scale dS^T Q and dV, in the input dtype; a key block that no query sees gets zeros.
   auto* dk = static_cast<half_t*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride;
   auto* dv = static_cast<half_t*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride;
-  for_warp_tiles<Traits::kKeyTiles, kTilesD, Traits::kNWarps>(warp, [&](int i, int nt, int dt) {
+  for_key_tiles<Traits>(warp, [&](int i, int nt, int dt) {
     int row0 = n_block * kBlockN + nt * 16;
-    store_tile_fp16(acc_dk[i], p.softmax_scale, stage, dk + int64_t(row0) * p.dk_row_stride + dt * 16,
+    store_tile_fp16(acc_dk[i], p.softmax_scale * exp2f_int(-ds_exp), stage, dk + int64_t(row0) * p.dk_row_stride + dt * 16,
                     p.dk_row_stride, p.seqlen_k - row0, p.head_dim - dt * 16);
     store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv_row_stride + dt * 16, p.dv_row_stride,
                     p.seqlen_k - row0, p.head_dim - dt * 16);
@@ -391,6 +518,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
                      m_block * kBlockM + tid / Traits::kThreadsPerRow);
 
   FragAcc acc_dq[Traits::kQueryTilesPerWarp];
+  int ds_exp = 0;  // dQ is kept in units of 2^ds_exp (probs_and_grads)
   CUTE_UNROLL
   for (int i = 0; i < Traits::kQueryTilesPerWarp; ++i) nvcuda::wmma::fill_fragment(acc_dq[i], 0.f);
   auto const* ds_hi = reinterpret_cast<__half const*>(smem.ds_hi.data());
@@ -404,11 +532,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
     Traits::CopyKV::copy(gK.block(n_block), sK, keys_left, p.head_dim, tid);
     Traits::CopyKV::copy(gV.block(n_block), sV, keys_left, p.head_dim, tid);
     __syncthreads();
-    const float ds_unscale = probs_and_grads<Traits>(smem, p, m_block, n_block, row);
+    rescale_tiles(acc_dq, probs_and_grads<Traits>(smem, p, m_block, n_block, row, ds_exp,
+                                                  [&] { return abs_max_of_tiles(acc_dq); }));
     for_warp_tiles_of_b<Traits::kQueryTiles, kTilesD, Traits::kNWarps, kBlockN>(
         warp, s_k, kLd, [&](int i, int mt, int, FragBSlice<kBlockN> const& b) {
-          mma_tile_split_scaled<kBlockN, false>(acc_dq[i], ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP, b,
-                                                ds_unscale, p.fp16_correction);
+          mma_tile_split<kBlockN, false>(acc_dq[i], ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP, b,
+                                         p.fp16_correction);
         });
   }
   __syncthreads();  // the staging tiles alias the scratch
@@ -417,7 +546,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   auto* dq = static_cast<half_t*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
   for_warp_tiles<Traits::kQueryTiles, kTilesD, Traits::kNWarps>(warp, [&](int i, int mt, int dt) {
     int row0 = m_block * kBlockM + mt * 16;
-    store_tile_fp16(acc_dq[i], p.softmax_scale, stage, dq + int64_t(row0) * p.dq_row_stride + dt * 16,
+    store_tile_fp16(acc_dq[i], p.softmax_scale * exp2f_int(-ds_exp), stage, dq + int64_t(row0) * p.dq_row_stride + dt * 16,
                     p.dq_row_stride, p.seqlen_q - row0, p.head_dim - dt * 16);
   });
 }

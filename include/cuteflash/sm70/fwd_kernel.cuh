@@ -133,8 +133,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   float l = 0.f;
 
   // K and V of the next block are loaded into registers while this block is computed (Volta has no
-  // cp.async): K(n + 1) during S = Q K(n)^T and the softmax, V(n + 1) during P V(n). Each is stored to
-  // shared memory after the barrier that frees its buffer, so the loop keeps two barriers per block.
+  // cp.async): K(n + 1) during the softmax, V(n + 1) during P V(n). Each is stored to shared memory
+  // after the barrier that frees its buffer, so the loop keeps two barriers per block.
   auto kv_regs = Traits::CopyKV::make_regs();
   auto keys_left = [&](int n_block) { return p.seqlen_k - n_block * kBlockN; };
   if (keys.n_block_max > 0) {
@@ -146,7 +146,6 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     const bool has_next = n_block + 1 < keys.n_block_max;
     __syncthreads();  // K(n) is in sK; no warp still reads sV
     Traits::CopyKV::store(kv_regs, sV, tid);
-    if (has_next) Traits::CopyKV::load(gK.block(n_block + 1), kv_regs, keys_left(n_block + 1), p.head_dim, tid);
 
     // S = Q K^T into this warp's scratch.
     {
@@ -169,6 +168,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
         wmma::store_matrix_sync(scratch + j * 16, acc[j], Traits::kLdS, wmma::mem_row_major);
       }
     }
+    // K(n + 1) into the registers that held V(n): loaded after S's products, which give the stores of
+    // V(n) the time to read them (loaded right after those stores, the loads waited for them).
+    if (has_next) Traits::CopyKV::load(gK.block(n_block + 1), kv_regs, keys_left(n_block + 1), p.head_dim, tid);
     __syncwarp();
 
     // Online softmax of my row's half of the block: new max, rescale factor, P as hi / lo, row sum.
@@ -216,10 +218,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     m = m_new;
     if (my_half == 0) alpha_rows[my_row] = alpha;
     __syncthreads();  // V(n) is in sV; no warp still reads sK
-    if (has_next) {
-      Traits::CopyKV::store(kv_regs, sK, tid);
-      Traits::CopyKV::load(gV.block(n_block + 1), kv_regs, keys_left(n_block + 1), p.head_dim, tid);
-    }
+    if (has_next) Traits::CopyKV::store(kv_regs, sK, tid);
 
     // O *= alpha by rows, then O += hi' V + lo V.
     if (rescale) {
@@ -232,6 +231,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
         for (int i = 0; i < kFragElems; ++i) acc_o[j].x[i] *= alpha_of[i];
       }
     }
+    // V(n + 1), after O's rescale (the stores of K(n + 1) read the registers meanwhile).
+    if (has_next) Traits::CopyKV::load(gV.block(n_block + 1), kv_regs, keys_left(n_block + 1), p.head_dim, tid);
     auto const* sv = reinterpret_cast<__half const*>(smem.v.data());
     CUTE_UNROLL
     for (int kk = 0; kk < kBlockN / 16; ++kk) {

@@ -132,15 +132,33 @@ __device__ __forceinline__ void mma_tile_split(FragAcc& acc, __half const* a_hi,
   }
 }
 
-// acc += scale (hi' B + lo B), through a fresh accumulator (for a scale that changes from step to step).
+// The A operand of a 16-row slice of a split fp32 A (a_hi, a_lo, see kLoScaleLog2), all kK / 16 steps
+// along K, stored row-major or (kATransposed) as its transpose: loaded once, it can serve several output
+// tiles of the same rows. Without `correction` the lo half is not loaded.
 template <int kK, bool kATransposed>
-__device__ __forceinline__ void mma_tile_split_scaled(FragAcc& acc, __half const* a_hi, __half const* a_lo, int lda,
-                                                      FragBSlice<kK> const& b, float scale, bool correction) {
-  FragAcc part;
-  nvcuda::wmma::fill_fragment(part, 0.f);
-  mma_tile_split<kK, kATransposed>(part, a_hi, a_lo, lda, b, correction);
+struct FragASplitSlice {
+  FragAOf<kATransposed> hi[kK / 16], lo[kK / 16];
+
+  __device__ FragASplitSlice(__half const* a_hi, __half const* a_lo, int lda, bool correction) {
+    CUTE_UNROLL
+    for (int k = 0; k < kK / 16; ++k) {
+      nvcuda::wmma::load_matrix_sync(hi[k], k_step<kATransposed>(a_hi, lda, k), lda);
+      if (correction) nvcuda::wmma::load_matrix_sync(lo[k], k_step<kATransposed>(a_lo, lda, k), lda);
+    }
+  }
+};
+
+// acc += hi' B + lo B with A's slice in registers and a row-major B (kK x 16) read from shared memory.
+template <int kK, bool kATransposed>
+__device__ __forceinline__ void mma_tile_split(FragAcc& acc, FragASplitSlice<kK, kATransposed> const& a,
+                                               __half const* b, int ldb, bool correction) {
   CUTE_UNROLL
-  for (int i = 0; i < acc.num_elements; ++i) acc.x[i] += part.x[i] * scale;
+  for (int k = 0; k < kK / 16; ++k) {
+    FragBRow fb;
+    nvcuda::wmma::load_matrix_sync(fb, b + k * 16 * ldb, ldb);
+    nvcuda::wmma::mma_sync(acc, a.hi[k], fb, acc);
+    if (correction) nvcuda::wmma::mma_sync(acc, a.lo[k], fb, acc);
+  }
 }
 
 // Writes acc * scale (a 16x16 fp32 tile) as fp16 to out, a row-major global matrix, through the warp's
