@@ -88,20 +88,6 @@ __device__ __forceinline__ __half const* k_step(__half const* base, int ld, int 
   return kAlongRows ? base + k * 16 * ld : base + k * 16;
 }
 
-// acc += A B for one 16x16 output tile, K = kK: A (16 x kK) and B (kK x 16) in shared memory, each
-// row-major or (kATransposed / kBTransposed) stored as its transpose.
-template <int kK, bool kATransposed, bool kBTransposed>
-__device__ __forceinline__ void mma_tile(FragAcc& acc, __half const* a, int lda, __half const* b, int ldb) {
-  CUTE_UNROLL
-  for (int k = 0; k < kK / 16; ++k) {
-    FragAOf<kATransposed> fa;
-    FragBOf<kBTransposed> fb;
-    nvcuda::wmma::load_matrix_sync(fa, k_step<kATransposed>(a, lda, k), lda);
-    nvcuda::wmma::load_matrix_sync(fb, k_step<!kBTransposed>(b, ldb, k), ldb);
-    nvcuda::wmma::mma_sync(acc, fa, fb, acc);
-  }
-}
-
 // The B operand of a 16-column slice of a row-major (kK, *) fp16 tile, all kK / 16 steps along K: loaded
 // once, it can serve several output tiles of the same columns.
 template <int kK>
