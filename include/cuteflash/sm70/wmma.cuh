@@ -78,9 +78,6 @@ __device__ __forceinline__ void store_split(float const (&x)[kCols], float scale
 template <bool kTransposed>
 using FragAOf = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half,
                                        std::conditional_t<kTransposed, nvcuda::wmma::col_major, nvcuda::wmma::row_major>>;
-template <bool kTransposed>
-using FragBOf = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half,
-                                       std::conditional_t<kTransposed, nvcuda::wmma::col_major, nvcuda::wmma::row_major>>;
 
 // Address of the k-th 16-wide step along K of an operand tile.
 template <bool kAlongRows>
