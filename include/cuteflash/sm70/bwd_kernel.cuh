@@ -10,9 +10,11 @@
 // fp16's subnormal range (below 2^-14, where precision drops, and 2^-24, where values flush to 0):
 // P <= 1 is split as v = 2^15 P, and dS as v = s dS with a power of two s that keeps the step's largest
 // |v| in [2^(15 - kDsSlack), 2^15) -- small gradients (small dO, long rows) would otherwise underflow.
-// s changes only when a step's largest |dS| leaves that range, so that dK (and the deterministic dQ)
-// accumulate in place in units of s, rescaled by the ratio of the powers of two when s moves; dV
-// accumulates in units of 2^15 P; both are unscaled at the end, the atomic dQ per step. Without
+// s changes only when a step's largest |dS| leaves that range, so that dK (where its warps share the A
+// slice, Traits::kKeyTilesShareA) and the deterministic dQ accumulate in place in units of s, rescaled by
+// the ratio of the powers of two when s moves; elsewhere a step's dK product is unscaled by 1 / s as it
+// is added (a partial accumulator is cheaper there than the in-place rescale: H200, forced sm70, d=128
+// +1.5 %). dV accumulates in units of 2^15 P; both are unscaled at the end, the atomic dQ per step. Without
 // p.fp16_correction (for comparison) P and dS are rounded to fp16 once, unscaled: what a plain fp16
 // kernel computes.
 #pragma once
@@ -377,7 +379,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
                        sV, keys_left, p.head_dim, tid);
 
   FragAcc acc_dk[Traits::kKeyTilesPerWarp], acc_dv[Traits::kKeyTilesPerWarp];
-  int ds_exp = 0;  // dK is kept in units of 2^ds_exp (probs_and_grads)
+  int ds_exp = 0;  // dS is scaled by 2^ds_exp (probs_and_grads), and so is dK where kKeyTilesShareA
   CUTE_UNROLL
   for (int i = 0; i < Traits::kKeyTilesPerWarp; ++i) {
     nvcuda::wmma::fill_fragment(acc_dk[i], 0.f);
@@ -407,6 +409,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
 
   // dV += P^T dO (in units of p_scale) and dK += dS^T Q (in units of s): A read transposed from P / dS,
   // K = the step's queries.
+  float ds_unscale = 1.f;  // 1 / s of the current step
   auto dv_dk = [&] {
     if constexpr (Traits::kKeyTilesShareA) {
       for_warp_tiles_of_a<Traits::kKeyTiles, kTilesN, Traits::kNWarps, kBlockM>(
@@ -424,7 +427,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
           });
       for_warp_tiles_of_b<Traits::kKeyTiles, kTilesD, Traits::kNWarps, kBlockM>(
           warp, s_q, kLd, [&](int i, int nt, int, FragBSlice<kBlockM> const& b) {
-            mma_tile_split<kBlockM, true>(acc_dk[i], ds_hi + nt * 16, ds_lo + nt * 16, kLdP, b, p.fp16_correction);
+            FragAcc part;  // dS^T Q in units of s, added as dS^T Q
+            nvcuda::wmma::fill_fragment(part, 0.f);
+            mma_tile_split<kBlockM, true>(part, ds_hi + nt * 16, ds_lo + nt * 16, kLdP, b, p.fp16_correction);
+            CUTE_UNROLL
+            for (int j = 0; j < part.num_elements; ++j) acc_dk[i].x[j] += part.x[j] * ds_unscale;
           });
     }
   };
@@ -453,8 +460,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     // latency (loaded a step ahead, they were spilled, which waits for the load at once).
     const RowStats row(p, row_stats, m_block * kBlockM + tid / Traits::kThreadsPerRow);
     __syncthreads();
-    rescale_tiles(acc_dk, probs_and_grads<Traits>(smem, p, m_block, n_block, row, ds_exp,
-                                                  [&] { return abs_max_of_tiles(acc_dk); }));
+    const float rescale = probs_and_grads<Traits>(smem, p, m_block, n_block, row, ds_exp, [&] {
+      return Traits::kKeyTilesShareA ? abs_max_of_tiles(acc_dk) : 0.f;  // kept in units of s, or not
+    });
+    if constexpr (Traits::kKeyTilesShareA) rescale_tiles(acc_dk, rescale);
+    ds_unscale = exp2f_int(-ds_exp);
     if constexpr (Traits::kDqFirst) {
       dq(m_block);
       if (m_block + 1 < m_block_max) load_step(m_block + 1);
@@ -471,7 +481,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   auto* dv = static_cast<half_t*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride;
   for_key_tiles<Traits>(warp, [&](int i, int nt, int dt) {
     int row0 = n_block * kBlockN + nt * 16;
-    store_tile_fp16(acc_dk[i], p.softmax_scale * exp2f_int(-ds_exp), stage, dk + int64_t(row0) * p.dk_row_stride + dt * 16,
+    store_tile_fp16(acc_dk[i], p.softmax_scale * (Traits::kKeyTilesShareA ? exp2f_int(-ds_exp) : 1.f), stage, dk + int64_t(row0) * p.dk_row_stride + dt * 16,
                     p.dk_row_stride, p.seqlen_k - row0, p.head_dim - dt * 16);
     store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv_row_stride + dt * 16, p.dv_row_stride,
                     p.seqlen_k - row0, p.head_dim - dt * 16);
