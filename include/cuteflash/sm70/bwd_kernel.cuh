@@ -407,8 +407,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   };
   if (m_block_min < m_block_max) load_step(m_block_min);
 
-  // dV += P^T dO (in units of p_scale) and dK += dS^T Q (in units of s): A read transposed from P / dS,
-  // K = the step's queries.
+  // dV += P^T dO (in units of p_scale) and dK += dS^T Q (in units of s where the warps share A, else
+  // unscaled step by step): A read transposed from P / dS, K = the step's queries.
   float ds_unscale = 1.f;  // 1 / s of the current step
   auto dv_dk = [&] {
     if constexpr (Traits::kKeyTilesShareA) {
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   // dQ += scale dS K / s, added to the fp32 buffer tile by tile.
   auto dq = [&](int m_block) {
     if (p.deterministic) return;
-    const float scale = p.softmax_scale * exp2f_int(-ds_exp);
+    const float scale = p.softmax_scale * ds_unscale;
     for_warp_tiles_of_b<Traits::kQueryTiles, kTilesD, Traits::kNWarps, kBlockN>(
         warp, s_k, kLd, [&](int, int mt, int dt, FragBSlice<kBlockN> const& b) {
           FragAcc acc;
