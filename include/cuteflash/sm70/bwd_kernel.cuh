@@ -80,7 +80,7 @@ struct BwdTraits {
   // 16x16 output tiles of each product, dealt to the warps round-robin.
   static constexpr int kScoreTiles = (kBlockM / 16) * (kBlockN / 16);  // S, dP
   // Tiles of a row of S or dP per warp (sharing A): 2 where the block has twice as many tiles as warps.
-  static constexpr int kScoreGroup = 2 * kScoreTiles >= 2 * kNWarps && (kBlockN / 16) % 2 == 0 ? 2 : 1;
+  static constexpr int kScoreGroup = kScoreTiles >= kNWarps && (kBlockN / 16) % 2 == 0 ? 2 : 1;
   static constexpr int kKeyTiles = (kBlockN / 16) * (kHeadDim / 16);   // dK, dV
   static constexpr int kQueryTiles = (kBlockM / 16) * (kHeadDim / 16); // dQ
   static constexpr int kKeyTilesPerWarp = ceil_div(kKeyTiles, kNWarps);
@@ -138,20 +138,14 @@ __device__ __forceinline__ void for_warp_tiles_of_b(int warp, __half const* b, i
 // for_warp_tiles over the output tiles of a product whose split A (a_hi / a_lo, kK along K) is stored
 // transposed (A^T row-major, e.g. P for P^T), enumerated column-major: tile t is (t % kTileRows,
 // t / kTileRows), passed as f(i, tile_row, tile_col, slice) with the A slice of its rows (FragASplitSlice),
-// loaded once per warp where its tiles share their rows (kNWarps a multiple of kTileRows), else per tile.
+// loaded once per warp: kNWarps a multiple of kTileRows makes a warp's tiles share their rows.
 template <int kTiles, int kTileRows, int kNWarps, int kK, typename F>
 __device__ __forceinline__ void for_warp_tiles_of_a(int warp, __half const* a_hi, __half const* a_lo, int lda,
                                                     bool correction, F&& f) {
-  using Slice = FragASplitSlice<kK, true>;
-  if constexpr (kNWarps % kTileRows == 0) {
-    const int row = warp % kTileRows;
-    const Slice slice(a_hi + row * 16, a_lo + row * 16, lda, correction);
-    for_warp_tiles<kTiles, kTileRows, kNWarps>(warp, [&](int i, int col, int r) { f(i, r, col, slice); });
-  } else {
-    for_warp_tiles<kTiles, kTileRows, kNWarps>(warp, [&](int i, int col, int r) {
-      f(i, r, col, Slice(a_hi + r * 16, a_lo + r * 16, lda, correction));
-    });
-  }
+  static_assert(kNWarps % kTileRows == 0);
+  const int row = warp % kTileRows;
+  const FragASplitSlice<kK, true> slice(a_hi + row * 16, a_lo + row * 16, lda, correction);
+  for_warp_tiles<kTiles, kTileRows, kNWarps>(warp, [&](int i, int col, int r) { f(i, r, col, slice); });
 }
 
 // for_warp_tiles over the (kBlockN, kHeadDim) key tiles of dK and dV (f(i, key_tile, dim_tile)), in the
@@ -164,6 +158,19 @@ __device__ __forceinline__ void for_key_tiles(int warp, F&& f) {
   } else {
     for_warp_tiles<Traits::kKeyTiles, kTilesD, Traits::kNWarps>(warp, f);
   }
+}
+
+// The largest x of the thread block, in every thread, through warp_max (one slot per warp, which no
+// thread may still be reading).
+template <int kNWarps>
+__device__ __forceinline__ float block_max(float x, float* warp_max) {
+  CUTE_UNROLL
+  for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = x;
+  __syncthreads();
+  CUTE_UNROLL
+  for (int w = 0; w < kNWarps; ++w) x = fmaxf(x, warp_max[w]);
+  return x;
 }
 
 // One step of either kernel: query block m_block against key block n_block, with Q, dO, K and V of the
@@ -252,12 +259,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
     ds_max = fmaxf(ds_max, fabsf(ds[c]));
   }
   store_split(prob, p_scale(p), p_hi, p_lo);
-  CUTE_UNROLL
-  for (int offset = 16; offset > 0; offset /= 2) ds_max = fmaxf(ds_max, __shfl_xor_sync(0xffffffff, ds_max, offset));
-  if (tid % 32 == 0) smem.warp_max[warp] = ds_max;
-  __syncthreads();
-  CUTE_UNROLL
-  for (int w = 0; w < Traits::kNWarps; ++w) ds_max = fmaxf(ds_max, smem.warp_max[w]);
+  ds_max = block_max<Traits::kNWarps>(ds_max, smem.warp_max);
   // The ideal s = 2^(15 - e) for max |dS| = f 2^e, f in [0.5, 1), puts the largest element in
   // [2^14, 2^15); s stays while it is at most that and at least 2^-kDsSlack of it.
   int e = 0;
@@ -270,13 +272,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
       ds_exp = ideal_exp;
     } else if (ds_exp < ideal_exp - kDsSlack) {  // rare: raised as far as the sums allow
       __syncthreads();  // every thread has read warp_max
-      float m = sum_abs_max();
-      CUTE_UNROLL
-      for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, offset));
-      if (tid % 32 == 0) smem.warp_max[warp] = m;
-      __syncthreads();
-      CUTE_UNROLL
-      for (int w = 0; w < Traits::kNWarps; ++w) m = fmaxf(m, smem.warp_max[w]);
+      const float m = block_max<Traits::kNWarps>(sum_abs_max(), smem.warp_max);
       int sum_exp = 0;  // m < 2^sum_exp
       frexpf(m, &sum_exp);
       const int raise = m > 0.f ? min(ideal_exp - ds_exp, kSumExpCap - sum_exp) : ideal_exp - ds_exp;
