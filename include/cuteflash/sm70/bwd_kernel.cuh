@@ -161,12 +161,12 @@ __device__ __forceinline__ void for_key_tiles(int warp, F&& f) {
 }
 
 // The largest x of the thread block, in every thread, through warp_max (one slot per warp, which no
-// thread may still be reading).
+// thread may still be reading); warp: the calling thread's warp.
 template <int kNWarps>
-__device__ __forceinline__ float block_max(float x, float* warp_max) {
+__device__ __forceinline__ float block_max(float x, float* warp_max, int warp) {
   CUTE_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = x;
+  if (threadIdx.x % 32 == 0) warp_max[warp] = x;
   __syncthreads();
   CUTE_UNROLL
   for (int w = 0; w < kNWarps; ++w) x = fmaxf(x, warp_max[w]);
@@ -259,7 +259,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
     ds_max = fmaxf(ds_max, fabsf(ds[c]));
   }
   store_split(prob, p_scale(p), p_hi, p_lo);
-  ds_max = block_max<Traits::kNWarps>(ds_max, smem.warp_max);
+  ds_max = block_max<Traits::kNWarps>(ds_max, smem.warp_max, warp);
   // The ideal s = 2^(15 - e) for max |dS| = f 2^e, f in [0.5, 1), puts the largest element in
   // [2^14, 2^15); s stays while it is at most that and at least 2^-kDsSlack of it.
   int e = 0;
@@ -272,7 +272,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
       ds_exp = ideal_exp;
     } else if (ds_exp < ideal_exp - kDsSlack) {  // rare: raised as far as the sums allow
       __syncthreads();  // every thread has read warp_max
-      const float m = block_max<Traits::kNWarps>(sum_abs_max(), smem.warp_max);
+      const float m = block_max<Traits::kNWarps>(sum_abs_max(), smem.warp_max, warp);
       int sum_exp = 0;  // m < 2^sum_exp
       frexpf(m, &sum_exp);
       const int raise = m > 0.f ? min(ideal_exp - ds_exp, kSumExpCap - sum_exp) : ideal_exp - ds_exp;
