@@ -10,11 +10,9 @@
 // fp16's subnormal range (below 2^-14, where precision drops, and 2^-24, where values flush to 0):
 // P <= 1 is split as v = 2^15 P, and dS as v = s dS with a power of two s that keeps the step's largest
 // |v| in [2^(15 - kDsSlack), 2^15) -- small gradients (small dO, long rows) would otherwise underflow.
-// s changes only when a step's largest |dS| leaves that range, so that dK (where its warps share the A
-// slice, Traits::kKeyTilesShareA) and the deterministic dQ accumulate in place in units of s, rescaled by
-// the ratio of the powers of two when s moves; elsewhere a step's dK product is unscaled by 1 / s as it
-// is added (a partial accumulator is cheaper there than the in-place rescale: H200, forced sm70, d=128
-// +1.5 %). dV accumulates in units of 2^15 P; both are unscaled at the end, the atomic dQ per step. Without
+// s changes only when a step's largest |dS| leaves that range, so that dK and the deterministic dQ
+// accumulate in place in units of s, rescaled by the ratio of the powers of two when s moves. dV
+// accumulates in units of 2^15 P; both are unscaled at the end, the atomic dQ per step. Without
 // p.fp16_correction (for comparison) P and dS are rounded to fp16 once, unscaled: what a plain fp16
 // kernel computes.
 #pragma once
@@ -57,9 +55,15 @@ struct BwdTraits {
 #else
   static constexpr int kMinBlocks = 0;
 #endif
-  // The order of a step's products. Above head dim 64 the registers are the scarcest: dQ comes first and
-  // the next Q and dO are loaded after it, so that they occupy registers through dV and dK only (H200,
-  // forced sm70, d=128: +3-4 %); at d=64 dV, dK, then dQ with the loads at the top is 1-2 % faster.
+  // Q and dO of the next step: above head dim 64, where registers are the scarcest (dK and dV take 64 of
+  // 128 at d=128), prefetched into L1 and copied at the top of the next step, holding no registers; at
+  // d=64, loaded into registers (H200, forced sm70, backward: d=128 +8-9 %, d=64 -3-5 %; loaded into
+  // registers at d=128, ptxas spilled them at once, waiting for the loads). Volta and Turing keep 32 KB or
+  // more of L1 beside 64-96 KB of shared memory, for the 16 KB of a step at d=128.
+  static constexpr bool kPrefetchL1 = kHeadDim > 64;
+  // The order of a step's products: above head dim 64, dQ, the next step's prefetch, dV, dK (d=128: 2-4 %
+  // faster than the prefetch at the top, or dV, dK, dQ); at d=64 the loads at the top, then dV, dK, dQ
+  // (1-2 % faster than dQ first).
   static constexpr bool kDqFirst = kHeadDim > 64;
   static_assert(kHeadDim % 32 == 0 && kBlockM % 16 == 0 && kBlockN % 16 == 0);
 
@@ -77,19 +81,17 @@ struct BwdTraits {
   static constexpr int kThreadsPerRow = kBlockN / kCols;
   static_assert(kCols >= 1 && kThreadsPerRow * kCols == kBlockN && 32 % kThreadsPerRow == 0);
 
-  // 16x16 output tiles of each product, dealt to the warps round-robin.
-  static constexpr int kScoreTiles = (kBlockM / 16) * (kBlockN / 16);  // S, dP
+  // 16x16 output tiles of S and dP, dealt to the warps round-robin.
+  static constexpr int kScoreTiles = (kBlockM / 16) * (kBlockN / 16);
   // Tiles of a row of S or dP per warp (sharing A): 2 where the block has twice as many tiles as warps.
   static constexpr int kScoreGroup = kScoreTiles >= kNWarps && (kBlockN / 16) % 2 == 0 ? 2 : 1;
-  static constexpr int kKeyTiles = (kBlockN / 16) * (kHeadDim / 16);   // dK, dV
-  static constexpr int kQueryTiles = (kBlockM / 16) * (kHeadDim / 16); // dQ
-  static constexpr int kKeyTilesPerWarp = ceil_div(kKeyTiles, kNWarps);
-  // dV and dK: a warp's tiles share their rows (keys), so that it loads the P^T / dS^T slice once (the
-  // A operand, split: 4 fragments per 16 queries), where it has at most 2 tiles; with more, the
-  // registers are short, and its tiles share their columns (B: dO or Q, 1 fragment per 16 queries).
-  // H200, forced sm70: d=64 +1-2 %; sharing A at d=128 spills, -9 %.
-  static constexpr bool kKeyTilesShareA = kKeyTilesPerWarp <= 2 && kNWarps % (kBlockN / 16) == 0;
-  static constexpr int kQueryTilesPerWarp = ceil_div(kQueryTiles, kNWarps);
+  // dK and dV (key tiles), dQ (query tiles): a warp's tiles share their rows, the split A operand (P^T,
+  // dS^T, dS: 2 fragments per step along K) loaded once per step for all of them, the B fragments (one
+  // per tile and step) one at a time. (Sharing columns instead, B loaded once and A per tile for each
+  // step, takes 50 % more fragment loads for dK and dV at d=128; H200, forced sm70: d=64 1-2 % slower,
+  // d=128 within 1 %.)
+  using KeyTiles = WarpRowTiles<kBlockN / 16, kHeadDim / 16, kNWarps>;
+  using QueryTiles = WarpRowTiles<kBlockM / 16, kHeadDim / 16, kNWarps>;
 
   // The scratch holds S and dP side by side; between steps, each warp's 16x16 fp32 tile on its way out.
   static constexpr int kScratchFloats =
@@ -109,56 +111,6 @@ struct BwdTraits {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
-
-// Calls f(i, tile_row, tile_col) for each of this warp's 16x16 output tiles of a product with kTiles
-// tiles, kTileCols to a row, dealt to the warps round-robin (i: the warp's i-th tile).
-template <int kTiles, int kTileCols, int kNWarps, typename F>
-__device__ __forceinline__ void for_warp_tiles(int warp, F&& f) {
-  CUTE_UNROLL
-  for (int i = 0; i < ceil_div(kTiles, kNWarps); ++i) {
-    int t = warp + i * kNWarps;
-    if (kTiles % kNWarps == 0 || t < kTiles) f(i, t / kTileCols, t % kTileCols);
-  }
-}
-
-// for_warp_tiles over the output tiles of a product with a row-major (kK, *) B in shared memory at b,
-// passing each tile's B slice (FragBSlice) as f(i, tile_row, tile_col, slice): loaded once per warp where
-// its tiles share their columns (kNWarps a multiple of kTileCols: head dims 32, 64, 128), else per tile.
-template <int kTiles, int kTileCols, int kNWarps, int kK, typename F>
-__device__ __forceinline__ void for_warp_tiles_of_b(int warp, __half const* b, int ldb, F&& f) {
-  if constexpr (kNWarps % kTileCols == 0) {
-    const FragBSlice<kK> slice(b + warp % kTileCols * 16, ldb);
-    for_warp_tiles<kTiles, kTileCols, kNWarps>(warp, [&](int i, int row, int col) { f(i, row, col, slice); });
-  } else {
-    for_warp_tiles<kTiles, kTileCols, kNWarps>(
-        warp, [&](int i, int row, int col) { f(i, row, col, FragBSlice<kK>(b + col * 16, ldb)); });
-  }
-}
-
-// for_warp_tiles over the output tiles of a product whose split A (a_hi / a_lo, kK along K) is stored
-// transposed (A^T row-major, e.g. P for P^T), enumerated column-major: tile t is (t % kTileRows,
-// t / kTileRows), passed as f(i, tile_row, tile_col, slice) with the A slice of its rows (FragASplitSlice),
-// loaded once per warp: kNWarps a multiple of kTileRows makes a warp's tiles share their rows.
-template <int kTiles, int kTileRows, int kNWarps, int kK, typename F>
-__device__ __forceinline__ void for_warp_tiles_of_a(int warp, __half const* a_hi, __half const* a_lo, int lda,
-                                                    bool correction, F&& f) {
-  static_assert(kNWarps % kTileRows == 0);
-  const int row = warp % kTileRows;
-  const FragASplitSlice<kK, true> slice(a_hi + row * 16, a_lo + row * 16, lda, correction);
-  for_warp_tiles<kTiles, kTileRows, kNWarps>(warp, [&](int i, int col, int r) { f(i, r, col, slice); });
-}
-
-// for_warp_tiles over the (kBlockN, kHeadDim) key tiles of dK and dV (f(i, key_tile, dim_tile)), in the
-// order of the backward's products: column-major where the warps share A (Traits::kKeyTilesShareA).
-template <typename Traits, typename F>
-__device__ __forceinline__ void for_key_tiles(int warp, F&& f) {
-  constexpr int kTilesN = Traits::kBlockN / 16, kTilesD = Traits::kHeadDim / 16;
-  if constexpr (Traits::kKeyTilesShareA) {
-    for_warp_tiles<Traits::kKeyTiles, kTilesN, Traits::kNWarps>(warp, [&](int i, int dt, int nt) { f(i, nt, dt); });
-  } else {
-    for_warp_tiles<Traits::kKeyTiles, kTilesD, Traits::kNWarps>(warp, f);
-  }
-}
 
 // The largest x of the thread block, in every thread, through warp_max (one slot per warp, which no
 // thread may still be reading); warp: the calling thread's warp.
@@ -342,8 +294,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kLd = Traits::kLdQKV;
   constexpr int kLdP = Traits::kLdP;
-  constexpr int kTilesD = kHeadDim / 16;
-  constexpr int kTilesN = kBlockN / 16;
   extern __shared__ __align__(128) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
@@ -374,10 +324,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
                                                     head_k * p.v_head_stride, p.v_row_stride).block(n_block),
                        sV, keys_left, p.head_dim, tid);
 
-  FragAcc acc_dk[Traits::kKeyTilesPerWarp], acc_dv[Traits::kKeyTilesPerWarp];
-  int ds_exp = 0;  // dS is scaled by 2^ds_exp (probs_and_grads), and so is dK where kKeyTilesShareA
+  using KeyTiles = typename Traits::KeyTiles;
+  const KeyTiles key_tiles(warp);
+  FragAcc acc_dk[KeyTiles::kCount], acc_dv[KeyTiles::kCount];
+  int ds_exp = 0;  // dS, and so dK, are kept in units of 2^ds_exp (probs_and_grads)
   CUTE_UNROLL
-  for (int i = 0; i < Traits::kKeyTilesPerWarp; ++i) {
+  for (int i = 0; i < KeyTiles::kCount; ++i) {
     nvcuda::wmma::fill_fragment(acc_dk[i], 0.f);
     nvcuda::wmma::fill_fragment(acc_dv[i], 0.f);
   }
@@ -392,82 +344,77 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
   float* dq_accum = dq_accum_region<kHeadDim>(p, batch, head);  // row-major
 
-  // Q and dO of the next query block are loaded into registers while this block's products run (Volta
-  // has no cp.async), and stored to shared memory at the top of the next step.
+  // Q and dO of the next query block are loaded while this block's products run (Volta has no cp.async):
+  // into registers, stored to shared memory at the top of the next step, or (Traits::kPrefetchL1) into
+  // L1, copied at the top of the next step.
   auto q_regs = Traits::CopyQ::make_regs();
   auto do_regs = Traits::CopyQ::make_regs();
   auto load_step = [&](int m_block) {
     const int rows_left = p.seqlen_q - m_block * kBlockM;
-    Traits::CopyQ::load(gQ.block(m_block), q_regs, rows_left, p.head_dim, tid);
-    Traits::CopyQ::load(gdO.block(m_block), do_regs, rows_left, p.head_dim, tid);
+    if constexpr (Traits::kPrefetchL1) {
+      Traits::CopyQ::prefetch_l1(gQ.block(m_block), rows_left, tid);
+      Traits::CopyQ::prefetch_l1(gdO.block(m_block), rows_left, tid);
+    } else {
+      Traits::CopyQ::load(gQ.block(m_block), q_regs, rows_left, p.head_dim, tid);
+      Traits::CopyQ::load(gdO.block(m_block), do_regs, rows_left, p.head_dim, tid);
+    }
   };
   if (m_block_min < m_block_max) load_step(m_block_min);
 
-  // dV += P^T dO (in units of p_scale) and dK += dS^T Q (in units of s where the warps share A, else
-  // unscaled step by step): A read transposed from P / dS, K = the step's queries.
-  float ds_unscale = 1.f;  // 1 / s of the current step
+  // dV += P^T dO (in units of p_scale) and dK += dS^T Q (in units of s): A read transposed from P / dS,
+  // K = the step's queries. The warp's band of P^T / dS^T is the key tile row's 16 columns of P / dS.
   auto dv_dk = [&] {
-    if constexpr (Traits::kKeyTilesShareA) {
-      for_warp_tiles_of_a<Traits::kKeyTiles, kTilesN, Traits::kNWarps, kBlockM>(
-          warp, p_hi, p_lo, kLdP, p.fp16_correction, [&](int i, int, int dt, auto const& a) {
-            mma_tile_split(acc_dv[i], a, s_do + dt * 16, kLd, p.fp16_correction);
-          });
-      for_warp_tiles_of_a<Traits::kKeyTiles, kTilesN, Traits::kNWarps, kBlockM>(
-          warp, ds_hi, ds_lo, kLdP, p.fp16_correction, [&](int i, int, int dt, auto const& a) {
-            mma_tile_split(acc_dk[i], a, s_q + dt * 16, kLd, p.fp16_correction);
-          });
-    } else {
-      for_warp_tiles_of_b<Traits::kKeyTiles, kTilesD, Traits::kNWarps, kBlockM>(
-          warp, s_do, kLd, [&](int i, int nt, int, FragBSlice<kBlockM> const& b) {
-            mma_tile_split<kBlockM, true>(acc_dv[i], p_hi + nt * 16, p_lo + nt * 16, kLdP, b, p.fp16_correction);
-          });
-      for_warp_tiles_of_b<Traits::kKeyTiles, kTilesD, Traits::kNWarps, kBlockM>(
-          warp, s_q, kLd, [&](int i, int nt, int, FragBSlice<kBlockM> const& b) {
-            FragAcc part;  // dS^T Q in units of s, added as dS^T Q
-            nvcuda::wmma::fill_fragment(part, 0.f);
-            mma_tile_split<kBlockM, true>(part, ds_hi + nt * 16, ds_lo + nt * 16, kLdP, b, p.fp16_correction);
-            CUTE_UNROLL
-            for (int j = 0; j < part.num_elements; ++j) acc_dk[i].x[j] += part.x[j] * ds_unscale;
-          });
-    }
+    const int band = key_tiles.row * 16;
+    mma_row_tiles_split<kBlockM, true>(acc_dv, key_tiles, p_hi + band, p_lo + band, kLdP, s_do, kLd,
+                                       p.fp16_correction);
+    mma_row_tiles_split<kBlockM, true>(acc_dk, key_tiles, ds_hi + band, ds_lo + band, kLdP, s_q, kLd,
+                                       p.fp16_correction);
   };
   // dQ += scale dS K / s, added to the fp32 buffer tile by tile.
-  auto dq = [&](int m_block) {
+  using QueryTiles = typename Traits::QueryTiles;
+  const QueryTiles query_tiles(warp);
+  auto dq = [&](int m_block, float ds_unscale) {
     if (p.deterministic) return;
-    const float scale = p.softmax_scale * ds_unscale;
-    for_warp_tiles_of_b<Traits::kQueryTiles, kTilesD, Traits::kNWarps, kBlockN>(
-        warp, s_k, kLd, [&](int, int mt, int dt, FragBSlice<kBlockN> const& b) {
-          FragAcc acc;
-          nvcuda::wmma::fill_fragment(acc, 0.f);
-          mma_tile_split<kBlockN, false>(acc, ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP, b,
-                                         p.fp16_correction);
-          const int row0 = m_block * kBlockM + mt * 16;
-          red_add_tile(acc, scale, stage, dq_accum + int64_t(row0) * kHeadDim + dt * 16, kHeadDim,
-                       p.seqlen_q - row0, p.head_dim - dt * 16);
-        });
+    FragAcc acc[QueryTiles::kCount];
+    CUTE_UNROLL
+    for (int i = 0; i < QueryTiles::kCount; ++i) nvcuda::wmma::fill_fragment(acc[i], 0.f);
+    const int band = query_tiles.row * 16 * kLdP;
+    mma_row_tiles_split<kBlockN, false>(acc, query_tiles, ds_hi + band, ds_lo + band, kLdP, s_k, kLd,
+                                        p.fp16_correction);
+    const int row0 = m_block * kBlockM + query_tiles.row * 16;
+    CUTE_UNROLL
+    for (int i = 0; i < QueryTiles::kCount; ++i) {
+      if (!query_tiles.valid(i)) continue;
+      const int col0 = query_tiles.col(i) * 16;
+      red_add_tile(acc[i], p.softmax_scale * ds_unscale, stage, dq_accum + int64_t(row0) * kHeadDim + col0,
+                   kHeadDim, p.seqlen_q - row0, p.head_dim - col0);
+    }
   };
 
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     __syncthreads();  // no warp still reads the previous Q, dO, P, dS or its staging tile
-    Traits::CopyQ::store(q_regs, sQ, tid);
-    Traits::CopyQ::store(do_regs, sdO, tid);
+    if constexpr (Traits::kPrefetchL1) {
+      const int rows_left = p.seqlen_q - m_block * kBlockM;
+      Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
+      Traits::CopyQ::copy(gdO.block(m_block), sdO, rows_left, p.head_dim, tid);
+    } else {
+      Traits::CopyQ::store(q_regs, sQ, tid);
+      Traits::CopyQ::store(do_regs, sdO, tid);
+    }
     if (!Traits::kDqFirst && m_block + 1 < m_block_max) load_step(m_block + 1);
     // The row statistics are loaded here and first used after S and dP: their products hide the
     // latency (loaded a step ahead, they were spilled, which waits for the load at once).
     const RowStats row(p, row_stats, m_block * kBlockM + tid / Traits::kThreadsPerRow);
     __syncthreads();
-    const float rescale = probs_and_grads<Traits>(smem, p, m_block, n_block, row, ds_exp, [&] {
-      return Traits::kKeyTilesShareA ? abs_max_of_tiles(acc_dk) : 0.f;  // kept in units of s, or not
-    });
-    if constexpr (Traits::kKeyTilesShareA) rescale_tiles(acc_dk, rescale);
-    ds_unscale = exp2f_int(-ds_exp);
+    rescale_tiles(acc_dk, probs_and_grads<Traits>(smem, p, m_block, n_block, row, ds_exp,
+                                                  [&] { return abs_max_of_tiles(acc_dk); }));
     if constexpr (Traits::kDqFirst) {
-      dq(m_block);
+      dq(m_block, exp2f_int(-ds_exp));
       if (m_block + 1 < m_block_max) load_step(m_block + 1);
       dv_dk();
     } else {
       dv_dk();
-      dq(m_block);
+      dq(m_block, exp2f_int(-ds_exp));
     }
   }
   __syncthreads();  // the staging tiles alias the scratch: no warp still reads it (also with no step)
@@ -475,13 +422,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   // dK = scale dS^T Q and dV, in the input dtype; a key block that no query sees gets zeros.
   auto* dk = static_cast<half_t*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride;
   auto* dv = static_cast<half_t*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride;
-  for_key_tiles<Traits>(warp, [&](int i, int nt, int dt) {
-    int row0 = n_block * kBlockN + nt * 16;
-    store_tile_fp16(acc_dk[i], p.softmax_scale * (Traits::kKeyTilesShareA ? exp2f_int(-ds_exp) : 1.f), stage, dk + int64_t(row0) * p.dk_row_stride + dt * 16,
-                    p.dk_row_stride, p.seqlen_k - row0, p.head_dim - dt * 16);
-    store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv_row_stride + dt * 16, p.dv_row_stride,
-                    p.seqlen_k - row0, p.head_dim - dt * 16);
-  });
+  const int row0 = n_block * kBlockN + key_tiles.row * 16;
+  CUTE_UNROLL
+  for (int i = 0; i < KeyTiles::kCount; ++i) {
+    if (!key_tiles.valid(i)) continue;
+    const int col0 = key_tiles.col(i) * 16;
+    store_tile_fp16(acc_dk[i], p.softmax_scale * exp2f_int(-ds_exp), stage,
+                    dk + int64_t(row0) * p.dk_row_stride + col0, p.dk_row_stride, p.seqlen_k - row0,
+                    p.head_dim - col0);
+    store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv_row_stride + col0,
+                    p.dv_row_stride, p.seqlen_k - row0, p.head_dim - col0);
+  }
 }
 
 // Deterministic dQ: one thread block per query block walks the key blocks it sees in a fixed order,
@@ -493,7 +444,6 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kLd = Traits::kLdQKV;
   constexpr int kLdP = Traits::kLdP;
-  constexpr int kTilesD = kHeadDim / 16;
   extern __shared__ __align__(128) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
@@ -523,10 +473,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   const RowStats row(p, (int64_t(batch) * p.nheads + head) * p.seqlen_q,
                      m_block * kBlockM + tid / Traits::kThreadsPerRow);
 
-  FragAcc acc_dq[Traits::kQueryTilesPerWarp];
+  using QueryTiles = typename Traits::QueryTiles;
+  const QueryTiles query_tiles(warp);
+  FragAcc acc_dq[QueryTiles::kCount];
   int ds_exp = 0;  // dQ is kept in units of 2^ds_exp (probs_and_grads)
   CUTE_UNROLL
-  for (int i = 0; i < Traits::kQueryTilesPerWarp; ++i) nvcuda::wmma::fill_fragment(acc_dq[i], 0.f);
+  for (int i = 0; i < QueryTiles::kCount; ++i) nvcuda::wmma::fill_fragment(acc_dq[i], 0.f);
   auto const* ds_hi = reinterpret_cast<__half const*>(smem.ds_hi.data());
   auto const* ds_lo = reinterpret_cast<__half const*>(smem.ds_lo.data());
   auto const* s_k = reinterpret_cast<__half const*>(smem.k.data());
@@ -540,21 +492,23 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
     __syncthreads();
     rescale_tiles(acc_dq, probs_and_grads<Traits>(smem, p, m_block, n_block, row, ds_exp,
                                                   [&] { return abs_max_of_tiles(acc_dq); }));
-    for_warp_tiles_of_b<Traits::kQueryTiles, kTilesD, Traits::kNWarps, kBlockN>(
-        warp, s_k, kLd, [&](int i, int mt, int, FragBSlice<kBlockN> const& b) {
-          mma_tile_split<kBlockN, false>(acc_dq[i], ds_hi + mt * 16 * kLdP, ds_lo + mt * 16 * kLdP, kLdP, b,
-                                         p.fp16_correction);
-        });
+    const int band = query_tiles.row * 16 * kLdP;
+    mma_row_tiles_split<kBlockN, false>(acc_dq, query_tiles, ds_hi + band, ds_lo + band, kLdP, s_k, kLd,
+                                        p.fp16_correction);
   }
   __syncthreads();  // the staging tiles alias the scratch
 
   float* stage = smem.scratch.data() + warp * 16 * 16;
   auto* dq = static_cast<half_t*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
-  for_warp_tiles<Traits::kQueryTiles, kTilesD, Traits::kNWarps>(warp, [&](int i, int mt, int dt) {
-    int row0 = m_block * kBlockM + mt * 16;
-    store_tile_fp16(acc_dq[i], p.softmax_scale * exp2f_int(-ds_exp), stage, dq + int64_t(row0) * p.dq_row_stride + dt * 16,
-                    p.dq_row_stride, p.seqlen_q - row0, p.head_dim - dt * 16);
-  });
+  const int row0 = m_block * kBlockM + query_tiles.row * 16;
+  CUTE_UNROLL
+  for (int i = 0; i < QueryTiles::kCount; ++i) {
+    if (!query_tiles.valid(i)) continue;
+    const int col0 = query_tiles.col(i) * 16;
+    store_tile_fp16(acc_dq[i], p.softmax_scale * exp2f_int(-ds_exp), stage,
+                    dq + int64_t(row0) * p.dq_row_stride + col0, p.dq_row_stride, p.seqlen_q - row0,
+                    p.head_dim - col0);
+  }
 }
 
 }  // namespace cuteflash::sm70

@@ -79,68 +79,46 @@ template <bool kTransposed>
 using FragAOf = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half,
                                        std::conditional_t<kTransposed, nvcuda::wmma::col_major, nvcuda::wmma::row_major>>;
 
-// Address of the k-th 16-wide step along K of an operand tile.
-template <bool kAlongRows>
-__device__ __forceinline__ __half const* k_step(__half const* base, int ld, int k) {
-  return kAlongRows ? base + k * 16 * ld : base + k * 16;
-}
+// A warp's 16x16 output tiles of a product with kTileRows x kTileCols tiles, dealt so that they share
+// their rows: warp w owns tile row w % kTileRows and the tile columns col(i) = w / kTileRows + i kColStep,
+// i < kCount, those below kTileCols (valid(i)). Sharing rows, a warp loads the split A operand of a step
+// along K once for all of its tiles.
+template <int kTileRows, int kTileCols, int kNWarps>
+struct WarpRowTiles {
+  static_assert(kNWarps % kTileRows == 0);
+  static constexpr int kColStep = kNWarps / kTileRows;
+  static constexpr int kCount = (kTileCols + kColStep - 1) / kColStep;
+  int row, col0;
 
-// The B operand of a 16-column slice of a row-major (kK, *) fp16 tile, all kK / 16 steps along K: loaded
-// once, it can serve several output tiles of the same columns.
-template <int kK>
-struct FragBSlice {
-  FragBRow step[kK / 16];
-
-  __device__ FragBSlice(__half const* b, int ldb) {
-    CUTE_UNROLL
-    for (int k = 0; k < kK / 16; ++k) nvcuda::wmma::load_matrix_sync(step[k], b + k * 16 * ldb, ldb);
-  }
+  __device__ explicit WarpRowTiles(int warp) : row(warp % kTileRows), col0(warp / kTileRows) {}
+  __device__ int col(int i) const { return col0 + i * kColStep; }
+  __device__ bool valid(int i) const { return kTileCols % kColStep == 0 || col(i) < kTileCols; }
 };
 
-// acc += hi' B + lo B: the error-corrected product of a split fp32 A (a_hi, a_lo of the same layout, see
-// kLoScaleLog2) with an fp16 B, in units of A's 2^11 x. Without `correction` the lo product is skipped
-// (plain fp16 A, for comparison).
-template <int kK, bool kATransposed>
-__device__ __forceinline__ void mma_tile_split(FragAcc& acc, __half const* a_hi, __half const* a_lo, int lda,
-                                               FragBSlice<kK> const& b, bool correction) {
+// acc[i] += hi' B_i + lo B_i, the error-corrected product (see kLoScaleLog2) of a split fp32 A with an
+// fp16 B, in units of A's 2^11 x, for a warp's tiles (WarpRowTiles): A is the 16-row band of the tiles'
+// row, a_hi / a_lo (kK along K, same layout: row-major, or with kATransposed its transpose stored
+// row-major, e.g. P^T read from P); B_i is the 16-column slice col(i) of the row-major (kK, *) b. K is
+// the outer loop: a step loads A's two fragments once and one B fragment per tile. Without `correction`
+// the lo half is skipped (plain fp16 A, for comparison).
+template <int kK, bool kATransposed, typename Tiles>
+__device__ __forceinline__ void mma_row_tiles_split(FragAcc (&acc)[Tiles::kCount], Tiles const& tiles,
+                                                    __half const* a_hi, __half const* a_lo, int lda,
+                                                    __half const* b, int ldb, bool correction) {
   CUTE_UNROLL
   for (int k = 0; k < kK / 16; ++k) {
-    FragAOf<kATransposed> fa;
-    nvcuda::wmma::load_matrix_sync(fa, k_step<kATransposed>(a_hi, lda, k), lda);
-    nvcuda::wmma::mma_sync(acc, fa, b.step[k], acc);
-    if (correction) {
-      nvcuda::wmma::load_matrix_sync(fa, k_step<kATransposed>(a_lo, lda, k), lda);
-      nvcuda::wmma::mma_sync(acc, fa, b.step[k], acc);
-    }
-  }
-}
-
-// The A operand of a 16-row slice of a split fp32 A (a_hi, a_lo, see kLoScaleLog2), all kK / 16 steps
-// along K, stored row-major or (kATransposed) as its transpose: loaded once, it can serve several output
-// tiles of the same rows. Without `correction` the lo half is not loaded.
-template <int kK, bool kATransposed>
-struct FragASplitSlice {
-  FragAOf<kATransposed> hi[kK / 16], lo[kK / 16];
-
-  __device__ FragASplitSlice(__half const* a_hi, __half const* a_lo, int lda, bool correction) {
+    const int a_step = kATransposed ? k * 16 * lda : k * 16;
+    FragAOf<kATransposed> hi, lo;
+    nvcuda::wmma::load_matrix_sync(hi, a_hi + a_step, lda);
+    if (correction) nvcuda::wmma::load_matrix_sync(lo, a_lo + a_step, lda);
     CUTE_UNROLL
-    for (int k = 0; k < kK / 16; ++k) {
-      nvcuda::wmma::load_matrix_sync(hi[k], k_step<kATransposed>(a_hi, lda, k), lda);
-      if (correction) nvcuda::wmma::load_matrix_sync(lo[k], k_step<kATransposed>(a_lo, lda, k), lda);
+    for (int i = 0; i < Tiles::kCount; ++i) {
+      if (!tiles.valid(i)) continue;
+      FragBRow fb;
+      nvcuda::wmma::load_matrix_sync(fb, b + k * 16 * ldb + tiles.col(i) * 16, ldb);
+      nvcuda::wmma::mma_sync(acc[i], hi, fb, acc[i]);
+      if (correction) nvcuda::wmma::mma_sync(acc[i], lo, fb, acc[i]);
     }
-  }
-};
-
-// acc += hi' B + lo B with A's slice in registers and a row-major B (kK x 16) read from shared memory.
-template <int kK, bool kATransposed>
-__device__ __forceinline__ void mma_tile_split(FragAcc& acc, FragASplitSlice<kK, kATransposed> const& a,
-                                               __half const* b, int ldb, bool correction) {
-  CUTE_UNROLL
-  for (int k = 0; k < kK / 16; ++k) {
-    FragBRow fb;
-    nvcuda::wmma::load_matrix_sync(fb, b + k * 16 * ldb, ldb);
-    nvcuda::wmma::mma_sync(acc, a.hi[k], fb, acc);
-    if (correction) nvcuda::wmma::mma_sync(acc, a.lo[k], fb, acc);
   }
 }
 
@@ -197,6 +175,27 @@ struct GmemTileCopy {
     auto thr = tiled_copy.get_thread_slice(tid);
     Tensor coord = thr.partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
     copy_tile_bounded<true>(tiled_copy, thr.partition_S(gmem), regs, coord, rows_left, head_dim);
+  }
+
+  // Asks for the 128-byte lines of gmem's rows below rows_left to be brought into L1, holding no
+  // registers (the threads that copy a line's first 16 bytes ask for it): a copy() of the same tile a
+  // while later then reads L1.
+  template <typename GTensor>
+  __device__ static void prefetch_l1(GTensor const& gmem, int rows_left, int tid) {
+    if (tid >= kThreads) return;
+    TiledCopy tiled_copy;
+    auto thr = tiled_copy.get_thread_slice(tid);
+    Tensor src = thr.partition_S(gmem);
+    Tensor coord = thr.partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(src); ++m) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(src); ++k) {
+        if (get<1>(coord(0, m, k)) % 64 == 0 && get<0>(coord(0, m, k)) < rows_left) {
+          asm volatile("prefetch.global.L1 [%0];" ::"l"(&src(0, m, k)));
+        }
+      }
+    }
   }
 
   template <typename Regs, typename STensor>
