@@ -6,7 +6,7 @@
 // elements (every accumulator fragment of the type shares that mapping). Per key block, each warp:
 //   S = Q K^T (16 query rows) -> shared scratch, where lanes r and r + 16 own row r
 //   -> new row max m, alpha = exp(m_old - m), P = exp(scale (S - m)) split into hi and lo (wmma.cuh:
-//      stored as hi' = 2^11 hi and lo), row sum l
+//      stored as hi' = 2^11 hi and lo) in S's place, row sum l
 //   -> O *= alpha (per element, by its row; skipped when no row max of the warp moved), then
 //      O += hi' V + lo V in one fp32 accumulator
 // and O = O / l at the end.
@@ -35,6 +35,12 @@ struct FwdTraits {
   static constexpr int kLdQKV = kHeadDim + 8;  // halves
   static constexpr int kLdS = kBlockN + 4;     // floats: per-warp S scratch, also O tiles at the end
   static constexpr int kLdP = kBlockN + 8;     // halves: per-warp P hi / lo
+  // Each warp's scratch holds its 16 rows of S (fp32), then of P (hi', lo: fp16) in their place, which
+  // leaves room for one block more per SM where the family is tested on a larger GPU (H200, d=128: 3
+  // instead of 2).
+  static constexpr int kPLoOffset = 16 * kLdP;  // halves
+  static constexpr int kScratchBytes = 16 * kLdS * 4 > 2 * 16 * kLdP * 2 ? 16 * kLdS * 4 : 2 * 16 * kLdP * 2;
+  static_assert(kScratchBytes % 32 == 0 && kPLoOffset * 2 % 32 == 0);  // WMMA: 256-bit aligned pointers
   using SmemLayoutQ = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
   using SmemLayoutKV = Layout<Shape<Int<kBlockN>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
 
@@ -45,9 +51,7 @@ struct FwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     array_aligned<Element, cosize_v<SmemLayoutKV>> k;
     array_aligned<Element, cosize_v<SmemLayoutKV>> v;
-    array_aligned<float, kNWarps * 16 * kLdS> s;
-    array_aligned<Element, kNWarps * 16 * kLdP> p_hi;
-    array_aligned<Element, kNWarps * 16 * kLdP> p_lo;
+    array_aligned<char, kNWarps * kScratchBytes, 32> scratch;  // S, then P, of each warp
     array_aligned<float, kNWarps * 16> alpha;  // each warp's row rescale factors of the current step
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
@@ -97,9 +101,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});   // (kBlockM, kHeadDim)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
-  float* scratch = smem.s.data() + warp * 16 * Traits::kLdS;           // (16, kBlockN) fp32 of this warp
-  __half* p_hi = reinterpret_cast<__half*>(smem.p_hi.data()) + warp * 16 * Traits::kLdP;
-  __half* p_lo = reinterpret_cast<__half*>(smem.p_lo.data()) + warp * 16 * Traits::kLdP;
+  char* warp_scratch = smem.scratch.data() + warp * Traits::kScratchBytes;
+  float* scratch = reinterpret_cast<float*>(warp_scratch);  // S: (16, kBlockN) fp32
+  __half* p_hi = reinterpret_cast<__half*>(warp_scratch);    // then P: (16, kBlockN) hi' and lo
+  __half* p_lo = p_hi + Traits::kPLoOffset;
 
   Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
 
@@ -185,6 +190,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
       s[4 * i + 2] = v.z;
       s[4 * i + 3] = v.w;
     }
+    __syncwarp();  // every lane holds its S: P takes its place
     if (n_block >= keys.n_block_first_masked) {  // a block with keys past the end or past a causal limit
       CUTE_UNROLL
       for (int i = 0; i < kQuads; ++i) {
