@@ -55,15 +55,18 @@ struct BwdTraits {
 #else
   static constexpr int kMinBlocks = 0;
 #endif
-  // Q and dO of the next step: above head dim 64, where registers are the scarcest (dK and dV take 64 of
-  // 128 at d=128), prefetched into L1 and copied at the top of the next step, holding no registers; at
-  // d=64, loaded into registers (H200, forced sm70, backward: d=128 +8-9 %, d=64 -3-5 %; loaded into
-  // registers at d=128, ptxas spilled them at once, waiting for the loads). Volta and Turing keep 32 KB or
-  // more of L1 beside 64-96 KB of shared memory, for the 16 KB of a step at d=128.
-  static constexpr bool kPrefetchL1 = kHeadDim > 64;
-  // The order of a step's products: above head dim 64, dQ, the next step's prefetch, dV, dK (d=128: 2-4 %
-  // faster than the prefetch at the top, or dV, dK, dQ); at d=64 the loads at the top, then dV, dK, dQ
-  // (1-2 % faster than dQ first).
+  // Q and dO of a step: at head dim 64, loaded into registers during the step before (Volta has no
+  // cp.async) and stored at its top; above, where registers are the scarcest (dK and dV take 64 of 128 at
+  // d=128), prefetched during the step before (GmemTileCopy::prefetch) and copied at the top of the step,
+  // holding no registers through the products (H200, forced sm70, backward: d=128 +8-9 %, d=64 -3-5 %;
+  // loaded ahead at d=128, ptxas spilled them at once, which waits for the loads).
+  static constexpr bool kLoadAhead = kHeadDim <= 64;
+  // dS stored with the current scale s before the block's largest |dS| is known, and again in the rare
+  // step that needs another s: one barrier less per step than storing it once s is known (H200, forced
+  // sm70, backward: d=64 +1.5-2.5 %, d=128 -1.5-3.5 %).
+  static constexpr bool kEagerDs = kHeadDim <= 64;
+  // The order of a step's products: above head dim 64 dQ, dV, dK (d=128: 2 % faster than dV, dK, dQ); at
+  // d=64 dV, dK, dQ (1-2 % faster than dQ first).
   static constexpr bool kDqFirst = kHeadDim > 64;
   static_assert(kHeadDim % 32 == 0 && kBlockM % 16 == 0 && kBlockN % 16 == 0);
 
@@ -112,16 +115,20 @@ struct BwdTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
 
-// The largest x of the thread block, in every thread, through warp_max (one slot per warp, which no
-// thread may still be reading); warp: the calling thread's warp.
-template <int kNWarps>
-__device__ __forceinline__ float block_max(float x, float* warp_max, int warp) {
+// A block-wide max in two halves around a barrier: post_warp_max puts the largest x of the calling
+// thread's warp (warp) in its slot of warp_max (which no thread may still be reading); after a
+// __syncthreads, read_block_max gives the largest of the block's, in every thread.
+__device__ __forceinline__ void post_warp_max(float x, float* warp_max, int warp) {
   CUTE_UNROLL
   for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
   if (threadIdx.x % 32 == 0) warp_max[warp] = x;
-  __syncthreads();
+}
+
+template <int kNWarps>
+__device__ __forceinline__ float read_block_max(float const* warp_max) {
+  float x = warp_max[0];
   CUTE_UNROLL
-  for (int w = 0; w < kNWarps; ++w) x = fmaxf(x, warp_max[w]);
+  for (int w = 1; w < kNWarps; ++w) x = fmaxf(x, warp_max[w]);
   return x;
 }
 
@@ -192,26 +199,35 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
   auto* ds_hi = reinterpret_cast<__half*>(smem.ds_hi.data()) + mine_p;
   auto* ds_lo = reinterpret_cast<__half*>(smem.ds_lo.data()) + mine_p;
 
-  float prob[kCols], ds[kCols];
-  load_floats(prob, scratch + mine, swap);
-  load_floats(ds, scratch + Traits::kBlockM * Traits::kLdS + mine, swap);
-  CUTE_UNROLL
-  for (int c = 0; c < kCols; ++c) prob[c] = exp2_approx(prob[c] * p.softmax_scale_log2 - row.lse_log2());
-  // Keys past the end or past a causal limit (rows past seqlen_q have lse = +inf: P = 0 already).
+  // P and dS of the thread's kCols elements, from S and dP in the scratch (again, on a rare path).
   const int block_key_limit = p.causal ? min(p.seqlen_k, m_block * Traits::kBlockM + p.seqlen_k - p.seqlen_q + 1)
                                        : p.seqlen_k;
-  if ((n_block + 1) * Traits::kBlockN > block_key_limit) {
+  float prob[kCols], ds[kCols];
+  auto probs_and_grads_of_thread = [&] {
+    load_floats(prob, scratch + mine, swap);
+    load_floats(ds, scratch + Traits::kBlockM * Traits::kLdS + mine, swap);
     CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) prob[c] = key0 + c < key_limit ? prob[c] : 0.f;
-  }
+    for (int c = 0; c < kCols; ++c) prob[c] = exp2_approx(prob[c] * p.softmax_scale_log2 - row.lse_log2());
+    // Keys past the end or past a causal limit (rows past seqlen_q have lse = +inf: P = 0 already).
+    if ((n_block + 1) * Traits::kBlockN > block_key_limit) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) prob[c] = key0 + c < key_limit ? prob[c] : 0.f;
+    }
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) ds[c] = prob[c] * (ds[c] - row.d);
+  };
+  probs_and_grads_of_thread();
   float ds_max = 0.f;
   CUTE_UNROLL
-  for (int c = 0; c < kCols; ++c) {
-    ds[c] = prob[c] * (ds[c] - row.d);
-    ds_max = fmaxf(ds_max, fabsf(ds[c]));
-  }
+  for (int c = 0; c < kCols; ++c) ds_max = fmaxf(ds_max, fabsf(ds[c]));
   store_split(prob, p_scale(p), p_hi, p_lo);
-  ds_max = block_max<Traits::kNWarps>(ds_max, smem.warp_max, warp);
+  // Traits::kEagerDs: dS is stored with the current s before the block's largest |dS| is known (one
+  // barrier for both); a step that needs another s (rare: dS's magnitude moved by more than kDsSlack
+  // binades) stores it again.
+  if constexpr (Traits::kEagerDs) store_split(ds, exp2f_int(ds_exp), ds_hi, ds_lo);
+  post_warp_max(ds_max, smem.warp_max, warp);
+  __syncthreads();  // P is complete, and dS where stored eagerly
+  ds_max = read_block_max<Traits::kNWarps>(smem.warp_max);
   // The ideal s = 2^(15 - e) for max |dS| = f 2^e, f in [0.5, 1), puts the largest element in
   // [2^14, 2^15); s stays while it is at most that and at least 2^-kDsSlack of it.
   int e = 0;
@@ -219,12 +235,15 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
   float rescale = 1.f;
   if (ds_max > 0.f && p.fp16_correction) {
     const int ideal_exp = min(15 - e, 126);  // |dS| <= FLT_MAX < 2^128: at least 2^-113, a normal float
+    const int old_exp = ds_exp;
     if (ds_exp > ideal_exp) {  // must come down: s dS would pass fp16's range
       rescale = ldexpf(1.f, ideal_exp - ds_exp);
       ds_exp = ideal_exp;
-    } else if (ds_exp < ideal_exp - kDsSlack) {  // rare: raised as far as the sums allow
+    } else if (ds_exp < ideal_exp - kDsSlack) {  // raised as far as the sums allow
       __syncthreads();  // every thread has read warp_max
-      const float m = block_max<Traits::kNWarps>(sum_abs_max(), smem.warp_max, warp);
+      post_warp_max(sum_abs_max(), smem.warp_max, warp);
+      __syncthreads();
+      const float m = read_block_max<Traits::kNWarps>(smem.warp_max);
       int sum_exp = 0;  // m < 2^sum_exp
       frexpf(m, &sum_exp);
       const int raise = m > 0.f ? min(ideal_exp - ds_exp, kSumExpCap - sum_exp) : ideal_exp - ds_exp;
@@ -233,9 +252,16 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
         ds_exp += raise;
       }
     }
+    if (Traits::kEagerDs && ds_exp != old_exp) {  // the same in every thread: dS again, with the new s
+      probs_and_grads_of_thread();  // recomputed rather than held in registers through the barriers
+      store_split(ds, exp2f_int(ds_exp), ds_hi, ds_lo);
+      __syncthreads();
+    }
   }
-  store_split(ds, exp2f_int(ds_exp), ds_hi, ds_lo);
-  __syncthreads();  // P and dS are complete; the scratch is free
+  if constexpr (!Traits::kEagerDs) {
+    store_split(ds, exp2f_int(ds_exp), ds_hi, ds_lo);
+    __syncthreads();  // dS is complete
+  }
   return rescale;
 }
 
@@ -344,22 +370,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
   float* dq_accum = dq_accum_region<kHeadDim>(p, batch, head);  // row-major
 
-  // Q and dO of the next query block are loaded while this block's products run (Volta has no cp.async):
-  // into registers, stored to shared memory at the top of the next step, or (Traits::kPrefetchL1) into
-  // L1, copied at the top of the next step.
+  // Q and dO of the next query block, loaded into registers while this block's products run
+  // (Traits::kLoadAhead).
   auto q_regs = Traits::CopyQ::make_regs();
   auto do_regs = Traits::CopyQ::make_regs();
   auto load_step = [&](int m_block) {
     const int rows_left = p.seqlen_q - m_block * kBlockM;
-    if constexpr (Traits::kPrefetchL1) {
-      Traits::CopyQ::prefetch_l1(gQ.block(m_block), rows_left, tid);
-      Traits::CopyQ::prefetch_l1(gdO.block(m_block), rows_left, tid);
-    } else {
-      Traits::CopyQ::load(gQ.block(m_block), q_regs, rows_left, p.head_dim, tid);
-      Traits::CopyQ::load(gdO.block(m_block), do_regs, rows_left, p.head_dim, tid);
-    }
+    Traits::CopyQ::load(gQ.block(m_block), q_regs, rows_left, p.head_dim, tid);
+    Traits::CopyQ::load(gdO.block(m_block), do_regs, rows_left, p.head_dim, tid);
   };
-  if (m_block_min < m_block_max) load_step(m_block_min);
+  if (Traits::kLoadAhead && m_block_min < m_block_max) load_step(m_block_min);
 
   // dV += P^T dO (in units of p_scale) and dK += dS^T Q (in units of s): A read transposed from P / dS,
   // K = the step's queries. The warp's band of P^T / dS^T is the key tile row's 16 columns of P / dS.
@@ -393,15 +413,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
 
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     __syncthreads();  // no warp still reads the previous Q, dO, P, dS or its staging tile
-    if constexpr (Traits::kPrefetchL1) {
+    if constexpr (Traits::kLoadAhead) {
+      Traits::CopyQ::store(q_regs, sQ, tid);
+      Traits::CopyQ::store(do_regs, sdO, tid);
+      if (m_block + 1 < m_block_max) load_step(m_block + 1);
+    } else {
       const int rows_left = p.seqlen_q - m_block * kBlockM;
       Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
       Traits::CopyQ::copy(gdO.block(m_block), sdO, rows_left, p.head_dim, tid);
-    } else {
-      Traits::CopyQ::store(q_regs, sQ, tid);
-      Traits::CopyQ::store(do_regs, sdO, tid);
     }
-    if (!Traits::kDqFirst && m_block + 1 < m_block_max) load_step(m_block + 1);
     // The row statistics are loaded here and first used after S and dP: their products hide the
     // latency (loaded a step ahead, they were spilled, which waits for the load at once).
     const RowStats row(p, row_stats, m_block * kBlockM + tid / Traits::kThreadsPerRow);
@@ -410,7 +430,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
                                                   [&] { return abs_max_of_tiles(acc_dk); }));
     if constexpr (Traits::kDqFirst) {
       dq(m_block, exp2f_int(-ds_exp));
-      if (m_block + 1 < m_block_max) load_step(m_block + 1);
+      if (!Traits::kLoadAhead && m_block + 1 < m_block_max) {  // the next Q and dO, copied at its top
+        Traits::CopyQ::prefetch(gQ.block(m_block + 1), p.seqlen_q - (m_block + 1) * kBlockM, tid);
+        Traits::CopyQ::prefetch(gdO.block(m_block + 1), p.seqlen_q - (m_block + 1) * kBlockM, tid);
+      }
       dv_dk();
     } else {
       dv_dk();
