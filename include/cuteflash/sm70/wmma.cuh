@@ -76,8 +76,9 @@ __device__ __forceinline__ void store_split(float const (&x)[kCols], float scale
 // A operand of a 16 x K slice: row-major A (a[i lda + k]), or, with kTransposed, A^T stored row-major
 // (a[k lda + i], e.g. P^T read from P).
 template <bool kTransposed>
-using FragAOf = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half,
-                                       std::conditional_t<kTransposed, nvcuda::wmma::col_major, nvcuda::wmma::row_major>>;
+using FragAOf =
+    nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half,
+                           std::conditional_t<kTransposed, nvcuda::wmma::col_major, nvcuda::wmma::row_major>>;
 
 // A warp's 16x16 output tiles of a product with kTileRows x kTileCols tiles, dealt so that they share
 // their rows: warp w owns tile row w % kTileRows and the tile columns col(i) = w / kTileRows + i kColStep,
