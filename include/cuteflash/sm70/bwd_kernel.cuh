@@ -402,13 +402,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     mma_row_tiles_split<kBlockN, false>(acc, query_tiles, ds_hi + band, ds_lo + band, kLdP, s_k, kLd,
                                         p.fp16_correction);
     const int row0 = m_block * kBlockM + query_tiles.row * 16;
-    CUTE_UNROLL
-    for (int i = 0; i < QueryTiles::kCount; ++i) {
-      if (!query_tiles.valid(i)) continue;
-      const int col0 = query_tiles.col(i) * 16;
+    query_tiles.for_each([&](int i, int col0) {
       red_add_tile(acc[i], p.softmax_scale * ds_unscale, stage, dq_accum + int64_t(row0) * kHeadDim + col0,
                    kHeadDim, p.seqlen_q - row0, p.head_dim - col0);
-    }
+    });
   };
 
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
@@ -446,16 +443,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   auto* dk = static_cast<half_t*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride;
   auto* dv = static_cast<half_t*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride;
   const int row0 = n_block * kBlockN + key_tiles.row * 16;
-  CUTE_UNROLL
-  for (int i = 0; i < KeyTiles::kCount; ++i) {
-    if (!key_tiles.valid(i)) continue;
-    const int col0 = key_tiles.col(i) * 16;
+  key_tiles.for_each([&](int i, int col0) {
     store_tile_fp16(acc_dk[i], p.softmax_scale * exp2f_int(-ds_exp), stage,
                     dk + int64_t(row0) * p.dk_row_stride + col0, p.dk_row_stride, p.seqlen_k - row0,
                     p.head_dim - col0);
     store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv_row_stride + col0,
                     p.dv_row_stride, p.seqlen_k - row0, p.head_dim - col0);
-  }
+  });
 }
 
 // Deterministic dQ: one thread block per query block walks the key blocks it sees in a fixed order,
@@ -524,14 +518,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   float* stage = smem.scratch.data() + warp * 16 * 16;
   auto* dq = static_cast<half_t*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
   const int row0 = m_block * kBlockM + query_tiles.row * 16;
-  CUTE_UNROLL
-  for (int i = 0; i < QueryTiles::kCount; ++i) {
-    if (!query_tiles.valid(i)) continue;
-    const int col0 = query_tiles.col(i) * 16;
+  query_tiles.for_each([&](int i, int col0) {
     store_tile_fp16(acc_dq[i], p.softmax_scale * exp2f_int(-ds_exp), stage,
                     dq + int64_t(row0) * p.dq_row_stride + col0, p.dq_row_stride, p.seqlen_q - row0,
                     p.head_dim - col0);
-  }
+  });
 }
 
 }  // namespace cuteflash::sm70

@@ -94,6 +94,14 @@ struct WarpRowTiles {
   __device__ explicit WarpRowTiles(int warp) : row(warp % kTileRows), col0(warp / kTileRows) {}
   __device__ int col(int i) const { return col0 + i * kColStep; }
   __device__ bool valid(int i) const { return kTileCols % kColStep == 0 || col(i) < kTileCols; }
+  // f(i, the tile's first column) for each valid tile i.
+  template <typename F>
+  __device__ __forceinline__ void for_each(F const& f) const {
+    CUTE_UNROLL
+    for (int i = 0; i < kCount; ++i) {
+      if (valid(i)) f(i, col(i) * 16);
+    }
+  }
 };
 
 // acc[i] += hi' B_i + lo B_i, the error-corrected product (see kLoScaleLog2) of a split fp32 A with an
@@ -112,14 +120,12 @@ __device__ __forceinline__ void mma_row_tiles_split(FragAcc (&acc)[Tiles::kCount
     FragAOf<kATransposed> hi, lo;
     nvcuda::wmma::load_matrix_sync(hi, a_hi + a_step, lda);
     if (correction) nvcuda::wmma::load_matrix_sync(lo, a_lo + a_step, lda);
-    CUTE_UNROLL
-    for (int i = 0; i < Tiles::kCount; ++i) {
-      if (!tiles.valid(i)) continue;
+    tiles.for_each([&](int i, int col0) {
       FragBRow fb;
-      nvcuda::wmma::load_matrix_sync(fb, b + k * 16 * ldb + tiles.col(i) * 16, ldb);
+      nvcuda::wmma::load_matrix_sync(fb, b + k * 16 * ldb + col0, ldb);
       nvcuda::wmma::mma_sync(acc[i], hi, fb, acc[i]);
       if (correction) nvcuda::wmma::mma_sync(acc[i], lo, fb, acc[i]);
-    }
+    });
   }
 }
 
