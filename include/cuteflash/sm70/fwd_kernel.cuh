@@ -3,8 +3,9 @@
 // FlashAttention-2's single pass with an online softmax. WMMA keeps its accumulators' element-to-thread
 // mapping unspecified, so the kernel learns it at run time: it loads a 16x16 tile whose entries are
 // their own row numbers into an accumulator fragment, which tells each thread the row of each of its
-// elements (every accumulator fragment of the type shares that mapping). Per key block, each warp:
-//   S = Q K^T (16 query rows) -> shared scratch, where lanes r and r + 16 own row r
+// elements (every accumulator fragment of the type shares that mapping). Each warp owns 16 or 32 query
+// rows (kRowTiles 16-row tiles: with two, each K and V fragment serves both). Per key block, each warp:
+//   S = Q K^T -> shared scratch, where lane r owns row r (32 rows) or lanes r and r + 16 do (16 rows)
 //   -> new row max m, alpha = exp(m_old - m), P = exp(scale (S - m)) split into hi and lo (wmma.cuh:
 //      stored as hi' = 2^11 hi and lo) in S's place, row sum l
 //   -> O *= alpha (per element, by its row; skipped when no row max of the warp moved), then
@@ -20,26 +21,26 @@ namespace cuteflash::sm70 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockN_, int kNWarps_ = 4>
+template <int kHeadDim_, int kBlockN_, int kNWarps_ = 4, int kRowTiles_ = 1>
 struct FwdTraits {
   using Element = half_t;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kNWarps = kNWarps_;
-  static constexpr int kBlockM = 16 * kNWarps;  // 16 query rows per warp
+  static constexpr int kRowTiles = kRowTiles_;      // 16-row tiles of queries per warp
+  static constexpr int kWarpRows = 16 * kRowTiles;  // query rows per warp
+  static constexpr int kBlockM = kWarpRows * kNWarps;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNThreads = kNWarps * 32;
-  static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0);
+  static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0 && (kRowTiles == 1 || kRowTiles == 2));
 
   // Row-major shared tiles padded by 16 bytes, so that the 16 rows of a WMMA load do not share banks
   // (WMMA loads take a pointer and a leading dimension: no swizzle).
   static constexpr int kLdQKV = kHeadDim + 8;  // halves
   static constexpr int kLdS = kBlockN + 4;     // floats: per-warp S scratch, also O tiles at the end
   static constexpr int kLdP = kBlockN + 8;     // halves: per-warp P hi / lo
-  // Each warp's scratch holds its 16 rows of S (fp32), then of P (hi', lo: fp16) in their place, which
-  // leaves room for one block more per SM where the family is tested on a larger GPU (H200, d=128: 3
-  // instead of 2).
-  static constexpr int kPLoOffset = 16 * kLdP;  // halves
-  static constexpr int kScratchBytes = 16 * kLdS * 4 > 2 * 16 * kLdP * 2 ? 16 * kLdS * 4 : 2 * 16 * kLdP * 2;
+  // Each warp's scratch holds its rows of S (fp32), then of P (hi', lo: fp16) in their place.
+  static constexpr int kPLoOffset = kWarpRows * kLdP;  // halves
+  static constexpr int kScratchBytes = kWarpRows * (kLdS * 4 > 2 * kLdP * 2 ? kLdS * 4 : 2 * kLdP * 2);
   static_assert(kScratchBytes % 32 == 0 && kPLoOffset * 2 % 32 == 0);  // WMMA: 256-bit aligned pointers
   using SmemLayoutQ = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
   using SmemLayoutKV = Layout<Shape<Int<kBlockN>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
@@ -52,7 +53,7 @@ struct FwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutKV>> k;
     array_aligned<Element, cosize_v<SmemLayoutKV>> v;
     array_aligned<char, kNWarps * kScratchBytes, 32> scratch;  // S, then P, of each warp
-    array_aligned<float, kNWarps * 16> alpha;  // each warp's row rescale factors of the current step
+    array_aligned<float, kBlockM> alpha;  // each warp's row rescale factors of the current step
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
@@ -65,7 +66,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kLd = Traits::kLdQKV;
-  constexpr int kColsPerLane = kBlockN / 2;
+  constexpr int kRowTiles = Traits::kRowTiles;
+  constexpr int kWarpRows = Traits::kWarpRows;
+  constexpr int kLanesPerRow = 32 / kWarpRows;
+  constexpr int kColsPerLane = kBlockN / kLanesPerRow;
   constexpr int kQuads = kColsPerLane / 4;  // a lane reads S 4 floats and writes P 4 halves at a time
 
   extern __shared__ __align__(128) char smem_raw[];
@@ -79,16 +83,17 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int rows_left = p.seqlen_q - m_block * kBlockM;
-  // The row (of this warp's 16) and the half of the key columns this lane owns in the scratch: lanes
-  // 0-15 the first half of rows 0-15, lanes 16-31 the second. Rows 8-15 visit their quads of columns
-  // rotated by one, so that the 16-byte reads of S (8 lanes at a time) and the 8-byte writes of P (16
-  // at a time) hit distinct banks: with lane pairs owning a row and no rotation, both were 4-way
-  // conflicts (ncu, H200, d=64: 220 M conflicts in 425 M shared wavefronts).
-  const int my_row = lane % 16;
-  const int my_half = lane / 16;
+  // The row (of this warp's) and the part of the key columns this lane owns in the scratch: with 32
+  // rows, lane r all of row r; with 16, lanes 0-15 the first half of rows 0-15, lanes 16-31 the second.
+  // Rows 8-15 (mod 16) visit their quads of columns rotated by one, so that the 16-byte reads of S (8
+  // lanes at a time) and the 8-byte writes of P (16 at a time) hit distinct banks: with lane pairs
+  // owning a row and no rotation, both were 4-way conflicts (ncu, H200, d=64: 220 M conflicts in 425 M
+  // shared wavefronts).
+  const int my_row = lane % kWarpRows;
+  const int my_half = lane / kWarpRows;  // 0 with 32 rows
   const int my_col0 = my_half * kColsPerLane;
-  const int my_rotation = my_row / 8;
-  const int row_in_block = warp * 16 + my_row;
+  const int my_rotation = (my_row / 8) % 2;
+  const int row_in_block = warp * kWarpRows + my_row;
   const int q_row = m_block * kBlockM + row_in_block;
 
   const auto gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
@@ -102,8 +107,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
   char* warp_scratch = smem.scratch.data() + warp * Traits::kScratchBytes;
-  float* scratch = reinterpret_cast<float*>(warp_scratch);  // S: (16, kBlockN) fp32
-  __half* p_hi = reinterpret_cast<__half*>(warp_scratch);    // then P: (16, kBlockN) hi' and lo
+  float* scratch = reinterpret_cast<float*>(warp_scratch);  // S: (kWarpRows, kBlockN) fp32
+  __half* p_hi = reinterpret_cast<__half*>(warp_scratch);    // then P: (kWarpRows, kBlockN) hi' and lo
   __half* p_lo = p_hi + Traits::kPLoOffset;
 
   Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
@@ -118,7 +123,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   int row_of[kFragElems];
   {
     CUTE_UNROLL
-    for (int c = 0; c < 8; ++c) scratch[my_row * Traits::kLdS + my_half * 8 + c] = float(my_row);
+    for (int c = 0; c < 8; ++c) scratch[(lane % 16) * Traits::kLdS + (lane / 16) * 8 + c] = float(lane % 16);
     __syncwarp();
     FragAcc rows;
     wmma::load_matrix_sync(rows, scratch, Traits::kLdS, wmma::mem_row_major);
@@ -127,10 +132,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     __syncwarp();
   }
 
-  FragAcc acc_o[kHeadDim / 16];
+  FragAcc acc_o[kRowTiles][kHeadDim / 16];
   CUTE_UNROLL
-  for (int j = 0; j < kHeadDim / 16; ++j) wmma::fill_fragment(acc_o[j], 0.f);
-  float* alpha_rows = smem.alpha.data() + warp * 16;
+  for (int t = 0; t < kRowTiles; ++t) {
+    CUTE_UNROLL
+    for (int j = 0; j < kHeadDim / 16; ++j) wmma::fill_fragment(acc_o[t][j], 0.f);
+  }
+  float* alpha_rows = smem.alpha.data() + warp * kWarpRows;
   float m = -INFINITY;  // running row max, and the lane's part of the running row sum
   // P is computed as 2^11 P when corrected (as P when not), the v of the split (wmma.cuh): hi' V + lo V
   // accumulates in O's one fp32 accumulator, and the factor cancels in O / l.
@@ -154,23 +162,33 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
 
     // S = Q K^T into this warp's scratch.
     {
-      FragAcc acc[kBlockN / 16];
+      FragAcc acc[kRowTiles][kBlockN / 16];
       CUTE_UNROLL
-      for (int j = 0; j < kBlockN / 16; ++j) wmma::fill_fragment(acc[j], 0.f);
+      for (int t = 0; t < kRowTiles; ++t) {
+        CUTE_UNROLL
+        for (int j = 0; j < kBlockN / 16; ++j) wmma::fill_fragment(acc[t][j], 0.f);
+      }
+      auto const* sq = reinterpret_cast<__half const*>(smem.q.data()) + warp * kWarpRows * kLd;
       CUTE_UNROLL
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        FragA a;
-        wmma::load_matrix_sync(a, reinterpret_cast<__half const*>(smem.q.data()) + warp * 16 * kLd + kk * 16, kLd);
+        FragA a[kRowTiles];
+        CUTE_UNROLL
+        for (int t = 0; t < kRowTiles; ++t) wmma::load_matrix_sync(a[t], sq + t * 16 * kLd + kk * 16, kLd);
         CUTE_UNROLL
         for (int j = 0; j < kBlockN / 16; ++j) {
           FragBCol b;  // K^T: element (k, n) is K[n][k]
           wmma::load_matrix_sync(b, reinterpret_cast<__half const*>(smem.k.data()) + j * 16 * kLd + kk * 16, kLd);
-          wmma::mma_sync(acc[j], a, b, acc[j]);
+          CUTE_UNROLL
+          for (int t = 0; t < kRowTiles; ++t) wmma::mma_sync(acc[t][j], a[t], b, acc[t][j]);
         }
       }
       CUTE_UNROLL
-      for (int j = 0; j < kBlockN / 16; ++j) {
-        wmma::store_matrix_sync(scratch + j * 16, acc[j], Traits::kLdS, wmma::mem_row_major);
+      for (int t = 0; t < kRowTiles; ++t) {
+        CUTE_UNROLL
+        for (int j = 0; j < kBlockN / 16; ++j) {
+          wmma::store_matrix_sync(scratch + t * 16 * Traits::kLdS + j * 16, acc[t][j], Traits::kLdS,
+                                  wmma::mem_row_major);
+        }
       }
     }
     // K(n + 1) into the registers that held V(n): loaded after S's products, which give the stores of
@@ -178,10 +196,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     if (has_next) Traits::CopyKV::load(gK.block(n_block + 1), kv_regs, keys_left(n_block + 1), p.head_dim, tid);
     __syncwarp();
 
-    // Online softmax of my row's half of the block: new max, rescale factor, P as hi / lo, row sum.
+    // Online softmax of my row's part of the block: new max, rescale factor, P as hi / lo, row sum.
     float const* my = scratch + my_row * Traits::kLdS + my_col0;
     const int col0 = n_block * kBlockN + my_col0;
-    float s[kColsPerLane];  // s[4 i + e]: column 4 ((i + my_rotation) % kQuads) + e of my half
+    float s[kColsPerLane];  // s[4 i + e]: column 4 ((i + my_rotation) % kQuads) + e of my part
     CUTE_UNROLL
     for (int i = 0; i < kQuads; ++i) {
       float4 v = *reinterpret_cast<float4 const*>(my + 4 * ((i + my_rotation) % kQuads));
@@ -203,7 +221,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     float block_max = -INFINITY;
     CUTE_UNROLL
     for (int c = 0; c < kColsPerLane; ++c) block_max = fmaxf(block_max, s[c]);
-    const float m_new = fmaxf(m, fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 16)));
+    if constexpr (kLanesPerRow == 2) block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 16));
+    const float m_new = fmaxf(m, block_max);
     const float m_scaled = m_new == -INFINITY ? 0.f : m_new * p.softmax_scale_log2;
     // 0 while O is still 0; exactly 1 where the max stays (so is O's rescale, and the warp skips it).
     const float alpha = m_new == m ? 1.f : exp2_approx(m * p.softmax_scale_log2 - m_scaled);
@@ -228,13 +247,16 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
 
     // O *= alpha by rows, then O += hi' V + lo V.
     if (rescale) {
-      float alpha_of[kFragElems];
       CUTE_UNROLL
-      for (int i = 0; i < kFragElems; ++i) alpha_of[i] = alpha_rows[row_of[i]];
-      CUTE_UNROLL
-      for (int j = 0; j < kHeadDim / 16; ++j) {
+      for (int t = 0; t < kRowTiles; ++t) {
+        float alpha_of[kFragElems];
         CUTE_UNROLL
-        for (int i = 0; i < kFragElems; ++i) acc_o[j].x[i] *= alpha_of[i];
+        for (int i = 0; i < kFragElems; ++i) alpha_of[i] = alpha_rows[t * 16 + row_of[i]];
+        CUTE_UNROLL
+        for (int j = 0; j < kHeadDim / 16; ++j) {
+          CUTE_UNROLL
+          for (int i = 0; i < kFragElems; ++i) acc_o[t][j].x[i] *= alpha_of[i];
+        }
       }
     }
     // V(n + 1), after O's rescale (the stores of K(n + 1) read the registers meanwhile).
@@ -242,37 +264,48 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     auto const* sv = reinterpret_cast<__half const*>(smem.v.data());
     CUTE_UNROLL
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      FragA a_hi, a_lo;
-      wmma::load_matrix_sync(a_hi, p_hi + kk * 16, Traits::kLdP);
-      if (p.fp16_correction) wmma::load_matrix_sync(a_lo, p_lo + kk * 16, Traits::kLdP);
+      FragA a_hi[kRowTiles], a_lo[kRowTiles];
+      CUTE_UNROLL
+      for (int t = 0; t < kRowTiles; ++t) {
+        wmma::load_matrix_sync(a_hi[t], p_hi + t * 16 * Traits::kLdP + kk * 16, Traits::kLdP);
+        if (p.fp16_correction) {
+          wmma::load_matrix_sync(a_lo[t], p_lo + t * 16 * Traits::kLdP + kk * 16, Traits::kLdP);
+        }
+      }
       CUTE_UNROLL
       for (int j = 0; j < kHeadDim / 16; ++j) {
         FragBRow b;  // V: element (k, n) is V[k][n]
         wmma::load_matrix_sync(b, sv + kk * 16 * kLd + j * 16, kLd);
-        wmma::mma_sync(acc_o[j], a_hi, b, acc_o[j]);
-        if (p.fp16_correction) wmma::mma_sync(acc_o[j], a_lo, b, acc_o[j]);
+        CUTE_UNROLL
+        for (int t = 0; t < kRowTiles; ++t) {
+          wmma::mma_sync(acc_o[t][j], a_hi[t], b, acc_o[t][j]);
+          if (p.fp16_correction) wmma::mma_sync(acc_o[t][j], a_lo[t], b, acc_o[t][j]);
+        }
       }
     }
     __syncwarp();  // the scratch, P and alpha are rewritten by the next block
   }
-  l += __shfl_xor_sync(0xffffffff, l, 16);
+  if constexpr (kLanesPerRow == 2) l += __shfl_xor_sync(0xffffffff, l, 16);
 
   // ---- Epilogue: O = O / l by rows (both in units of 2^p_shift P), stored through the scratch;
   // lse = m scale + log(l 2^-p_shift).
   const bool empty = l == 0.f;  // no visible key: O = 0, lse = +inf (as the sm80 kernel)
   if (my_half == 0) alpha_rows[my_row] = empty ? 0.f : 1.f / l;
   __syncwarp();
-  float inv_of[kFragElems];
-  CUTE_UNROLL
-  for (int i = 0; i < kFragElems; ++i) inv_of[i] = alpha_rows[row_of[i]];
   auto* out = static_cast<Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
-  const int row0 = m_block * kBlockM + warp * 16;  // this warp's first query row
   CUTE_UNROLL
-  for (int j = 0; j < kHeadDim / 16; ++j) {
+  for (int t = 0; t < kRowTiles; ++t) {
+    float inv_of[kFragElems];
     CUTE_UNROLL
-    for (int i = 0; i < kFragElems; ++i) acc_o[j].x[i] *= inv_of[i];
-    store_tile_fp16(acc_o[j], 1.f, scratch, out + int64_t(row0) * p.o_row_stride + j * 16, p.o_row_stride,
-                    p.seqlen_q - row0, p.head_dim - j * 16);
+    for (int i = 0; i < kFragElems; ++i) inv_of[i] = alpha_rows[t * 16 + row_of[i]];
+    const int row0 = m_block * kBlockM + warp * kWarpRows + t * 16;  // the tile's first query row
+    CUTE_UNROLL
+    for (int j = 0; j < kHeadDim / 16; ++j) {
+      CUTE_UNROLL
+      for (int i = 0; i < kFragElems; ++i) acc_o[t][j].x[i] *= inv_of[i];
+      store_tile_fp16(acc_o[t][j], 1.f, scratch, out + int64_t(row0) * p.o_row_stride + j * 16, p.o_row_stride,
+                      p.seqlen_q - row0, p.head_dim - j * 16);
+    }
   }
   if (my_half == 0 && q_row < p.seqlen_q) {
     p.lse[(int64_t(batch) * p.nheads + head) * p.seqlen_q + q_row] =
