@@ -60,7 +60,6 @@ __global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_p
 struct RowStats {
   float lse;
   float d;
-  RowStats() = default;
   __device__ RowStats(BwdParams const& p, int64_t row_stats, int row) {
     bool valid = row < p.seqlen_q;
     lse = valid ? p.lse[row_stats + row] : INFINITY;
