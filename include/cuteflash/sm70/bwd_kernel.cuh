@@ -38,11 +38,17 @@ constexpr int kSumExpCap = 100;
 // 2^e for -126 <= e <= 127, exactly.
 __device__ __forceinline__ float exp2f_int(int e) { return __int_as_float((e + 127) << 23); }
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, bool kPingPong_ = false>
 struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // query rows per step
   static constexpr int kBlockN = kBlockN_;  // keys per step (of a dK/dV thread block: all of its keys)
+  // Two shared regions that trade roles each step: one holds the step's Q and dO, the other S and dP
+  // and then, once P and dS are made, the next step's Q and dO, loaded during the step (see the loop in
+  // bwd_kernel): a step begins with one barrier instead of a copy from global memory between two. Costs
+  // a region and the warps' staging tiles, which can no longer alias the scratch: 96 KB at d=128, all a
+  // V100 has. H200, forced sm70, backward d=128: +3.5 %; d=64 -1.5 % (not taken there).
+  static constexpr bool kPingPong = kPingPong_;
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
   // Blocks per SM that the registers must allow (__launch_bounds__; 0: the compiler's choice). On the
@@ -55,12 +61,12 @@ struct BwdTraits {
 #else
   static constexpr int kMinBlocks = 0;
 #endif
-  // Q and dO of a step: at head dim 64, loaded into registers during the step before (Volta has no
-  // cp.async) and stored at its top; above, where registers are the scarcest (dK and dV take 64 of 128 at
-  // d=128), prefetched during the step before (GmemTileCopy::prefetch) and copied at the top of the step,
-  // holding no registers through the products (H200, forced sm70, backward: d=128 +8-9 %, d=64 -3-5 %;
-  // loaded ahead at d=128, ptxas spilled them at once, which waits for the loads).
-  static constexpr bool kLoadAhead = kHeadDim <= 64;
+  // Q and dO of a step without kPingPong: at head dim 64, loaded into registers during the step before
+  // (Volta has no cp.async) and stored at its top; above, where registers are the scarcest (dK and dV
+  // take 64 of 128 at d=128), prefetched during the step before (GmemTileCopy::prefetch) and copied at
+  // the top of the step, holding no registers through the products (H200, forced sm70, backward: d=128
+  // +8-9 %, d=64 -3-5 %; loaded ahead at d=128, ptxas spilled them at once, which waits for the loads).
+  static constexpr bool kLoadAhead = !kPingPong && kHeadDim <= 64;
   // dS stored with the current scale s before the block's largest |dS| is known, and again in the rare
   // step that needs another s: one barrier less per step than storing it once s is known (H200, forced
   // sm70, backward: d=64 +1.5-2.5 %, d=128 -1.5-3.5 %).
@@ -96,23 +102,49 @@ struct BwdTraits {
   using KeyTiles = WarpRowTiles<kBlockN / 16, kHeadDim / 16, kNWarps>;
   using QueryTiles = WarpRowTiles<kBlockM / 16, kHeadDim / 16, kNWarps>;
 
-  // The scratch holds S and dP side by side; between steps, each warp's 16x16 fp32 tile on its way out.
-  static constexpr int kScratchFloats =
-      2 * kBlockM * kLdS > kNWarps * 16 * 16 ? 2 * kBlockM * kLdS : kNWarps * 16 * 16;
-
   using SmemLayoutQ = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
   using SmemLayoutKV = Layout<Shape<Int<kBlockN>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
   using CopyQ = GmemTileCopy<kBlockM, kHeadDim, kNThreads>;
   using CopyKV = GmemTileCopy<kBlockN, kHeadDim, kNThreads>;
 
+  // The Q region holds Q, dO (kQHalves each) and the warps' slots of a block-wide max; the scratch, S
+  // and dP side by side, fp32, and without kPingPong, between steps, each warp's 16x16 fp32 tile on its
+  // way out (its staging tile).
+  static constexpr int kQHalves = cosize_v<SmemLayoutQ>;
+  static constexpr int kStageFloats = kNWarps * 16 * 16;
+  static constexpr int kQRegionBytes = 2 * kQHalves * 2 + kNWarps * 4;
+  static constexpr int kScratchBytes =
+      kPingPong || 2 * kBlockM * kLdS > kStageFloats ? 2 * kBlockM * kLdS * 4 : kStageFloats * 4;
+  static constexpr int kRegionBytes[2] = {
+      kPingPong && kScratchBytes > kQRegionBytes ? kScratchBytes : kQRegionBytes,
+      kPingPong && kQRegionBytes > kScratchBytes ? kQRegionBytes : kScratchBytes};
+
   struct SharedStorage {  // 32-byte alignment: WMMA loads and stores need 256-bit aligned pointers
-    array_aligned<half_t, cosize_v<SmemLayoutQ>, 32> q, dout;
+    array_aligned<char, kRegionBytes[0], 32> region0;
+    array_aligned<char, kRegionBytes[1], 32> region1;
     array_aligned<half_t, cosize_v<SmemLayoutKV>, 32> k, v;
-    array_aligned<float, kScratchFloats, 32> scratch;
     array_aligned<half_t, kBlockM * kLdP, 32> p_hi, p_lo, ds_hi, ds_lo;
-    float warp_max[kNWarps];
+    array_aligned<float, kPingPong ? kStageFloats : 8, 32> stage;  // with kPingPong (else in the scratch)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+
+  // The buffers of a step whose Q and dO are in region `which` (always 0 without kPingPong).
+  struct Buffers {
+    half_t* q;
+    half_t* dout;
+    float* warp_max;
+    float* scratch;
+  };
+  __device__ static Buffers buffers(SharedStorage& smem, int which) {
+    char* q_region = which == 0 ? smem.region0.data() : smem.region1.data();
+    char* other = which == 0 ? smem.region1.data() : smem.region0.data();
+    auto* q = reinterpret_cast<half_t*>(q_region);
+    return {q, q + kQHalves, reinterpret_cast<float*>(q + 2 * kQHalves), reinterpret_cast<float*>(other)};
+  }
+  // The calling warp's staging tile.
+  __device__ static float* stage(SharedStorage& smem, int warp) {
+    return (kPingPong ? smem.stage.data() : reinterpret_cast<float*>(smem.region1.data())) + warp * 16 * 16;
+  }
 };
 
 // A block-wide max in two halves around a barrier: post_warp_max puts the largest x of the calling
@@ -132,21 +164,22 @@ __device__ __forceinline__ float read_block_max(float const* warp_max) {
   return x;
 }
 
-// One step of either kernel: query block m_block against key block n_block, with Q, dO, K and V of the
-// blocks in shared memory. Writes P p_scale(p) and dS s split in hi' / lo to shared memory; s = 2^ds_exp,
+// One step of either kernel: query block m_block against key block n_block, with Q and dO of the block in
+// `buf` and K and V in shared memory. Writes P p_scale(p) and dS s split in hi' / lo to shared memory; s = 2^ds_exp,
 // the same in every thread (ds_exp = 0 before the first step), updated when this step's dS needs another.
 // Returns the factor (new s / old s, or 1) by which sums kept in units of s must be rescaled before this
 // step's dS is added; sum_abs_max() gives the largest |element| of the calling thread's share of them.
 // `row` holds the statistics of the calling thread's row of the element-wise phase (tid / kThreadsPerRow).
 template <typename Traits, typename SumAbsMax>
-__device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams const& p, int m_block, int n_block,
-                                 RowStats const& row, int& ds_exp, SumAbsMax const& sum_abs_max) {
+__device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename Traits::Buffers const& buf,
+                                 BwdParams const& p, int m_block, int n_block, RowStats const& row, int& ds_exp,
+                                 SumAbsMax const& sum_abs_max) {
   constexpr int kLd = Traits::kLdQKV;
   constexpr int kCols = Traits::kCols;
   constexpr int kTilesN = Traits::kBlockN / 16;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
-  float* scratch = smem.scratch.data();
+  float* scratch = buf.scratch;
 
   // S = Q K^T and dP = dO V^T into the two halves of the scratch, fp32. A warp computes kScoreGroup tiles
   // of one row of either product: independent chains that share their A fragments (one barrier for
@@ -157,7 +190,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
     const bool dp = u >= kUnits;  // warp-uniform: dP = dO V^T, else S = Q K^T
     const int t = (u % kUnits) * kGroup;
     const int mt = t / kTilesN, nt = t % kTilesN;
-    auto const* a = reinterpret_cast<__half const*>(dp ? smem.dout.data() : smem.q.data()) + mt * 16 * kLd;
+    auto const* a = reinterpret_cast<__half const*>(dp ? buf.dout : buf.q) + mt * 16 * kLd;
     auto const* b = reinterpret_cast<__half const*>(dp ? smem.v.data() : smem.k.data()) + nt * 16 * kLd;
     FragAcc acc[kGroup];
     CUTE_UNROLL
@@ -225,9 +258,9 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
   // barrier for both); a step that needs another s (rare: dS's magnitude moved by more than kDsSlack
   // binades) stores it again.
   if constexpr (Traits::kEagerDs) store_split(ds, exp2f_int(ds_exp), ds_hi, ds_lo);
-  post_warp_max(ds_max, smem.warp_max, warp);
+  post_warp_max(ds_max, buf.warp_max, warp);
   __syncthreads();  // P is complete, and dS where stored eagerly
-  ds_max = read_block_max<Traits::kNWarps>(smem.warp_max);
+  ds_max = read_block_max<Traits::kNWarps>(buf.warp_max);
   // The ideal s = 2^(15 - e) for max |dS| = f 2^e, f in [0.5, 1), puts the largest element in
   // [2^14, 2^15); s stays while it is at most that and at least 2^-kDsSlack of it.
   int e = 0;
@@ -241,9 +274,9 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, BwdParams
       ds_exp = ideal_exp;
     } else if (ds_exp < ideal_exp - kDsSlack) {  // raised as far as the sums allow
       __syncthreads();  // every thread has read warp_max
-      post_warp_max(sum_abs_max(), smem.warp_max, warp);
+      post_warp_max(sum_abs_max(), buf.warp_max, warp);
       __syncthreads();
-      const float m = read_block_max<Traits::kNWarps>(smem.warp_max);
+      const float m = read_block_max<Traits::kNWarps>(buf.warp_max);
       int sum_exp = 0;  // m < 2^sum_exp
       frexpf(m, &sum_exp);
       const int raise = m > 0.f ? min(ideal_exp - ds_exp, kSumExpCap - sum_exp) : ideal_exp - ds_exp;
@@ -339,8 +372,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   const auto gdO = head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.dout), batch * p.do_batch_stride,
                                                 head * p.do_head_stride, p.do_row_stride);
   // block(i) of gQ, gdO: (kBlockM, kHeadDim)
-  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
   Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.k), batch * p.k_batch_stride,
@@ -363,27 +394,33 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   auto const* p_lo = reinterpret_cast<__half const*>(smem.p_lo.data());
   auto const* ds_hi = reinterpret_cast<__half const*>(smem.ds_hi.data());
   auto const* ds_lo = reinterpret_cast<__half const*>(smem.ds_lo.data());
-  auto const* s_q = reinterpret_cast<__half const*>(smem.q.data());
-  auto const* s_do = reinterpret_cast<__half const*>(smem.dout.data());
   auto const* s_k = reinterpret_cast<__half const*>(smem.k.data());
-  float* stage = smem.scratch.data() + warp * 16 * 16;
+  float* stage = Traits::stage(smem, warp);
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
   float* dq_accum = dq_accum_region<kHeadDim>(p, batch, head);  // row-major
 
-  // Q and dO of the next query block, loaded into registers while this block's products run
-  // (Traits::kLoadAhead).
-  auto q_regs = Traits::CopyQ::make_regs();
-  auto do_regs = Traits::CopyQ::make_regs();
-  auto load_step = [&](int m_block) {
+  // Q and dO of a query block, loaded into registers and stored into a region (store_step) later.
+  using Regs = decltype(Traits::CopyQ::make_regs());
+  Regs q_regs, do_regs;  // kLoadAhead: from a step's top to the next's
+  auto load_step = [&](int m_block, Regs& q_regs, Regs& do_regs) {
     const int rows_left = p.seqlen_q - m_block * kBlockM;
     Traits::CopyQ::load(gQ.block(m_block), q_regs, rows_left, p.head_dim, tid);
     Traits::CopyQ::load(gdO.block(m_block), do_regs, rows_left, p.head_dim, tid);
   };
-  if (Traits::kLoadAhead && m_block_min < m_block_max) load_step(m_block_min);
+  auto store_step = [&](typename Traits::Buffers const& buf, Regs const& q_regs, Regs const& do_regs) {
+    Tensor sQ = make_tensor(make_smem_ptr(buf.q), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(buf.dout), typename Traits::SmemLayoutQ{});
+    Traits::CopyQ::store(q_regs, sQ, tid);
+    Traits::CopyQ::store(do_regs, sdO, tid);
+  };
+  if ((Traits::kLoadAhead || Traits::kPingPong) && m_block_min < m_block_max) {
+    load_step(m_block_min, q_regs, do_regs);
+    if constexpr (Traits::kPingPong) store_step(Traits::buffers(smem, 0), q_regs, do_regs);
+  }
 
   // dV += P^T dO (in units of p_scale) and dK += dS^T Q (in units of s): A read transposed from P / dS,
   // K = the step's queries. The warp's band of P^T / dS^T is the key tile row's 16 columns of P / dS.
-  auto dv_dk = [&] {
+  auto dv_dk = [&](__half const* s_q, __half const* s_do) {
     const int band = key_tiles.row * 16;
     mma_row_tiles_split<kBlockM, true>(acc_dv, key_tiles, p_hi + band, p_lo + band, kLdP, s_do, kLd,
                                        p.fp16_correction);
@@ -408,36 +445,61 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     });
   };
 
+  int which = 0;  // the region holding the step's Q and dO (always 0 without kPingPong)
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-    __syncthreads();  // no warp still reads the previous Q, dO, P, dS or its staging tile
+    // No warp still reads the previous Q, dO, P, dS or its staging tile; with kPingPong, this step's Q
+    // and dO are in place.
+    __syncthreads();
+    const auto buf = Traits::buffers(smem, which);
+    const bool has_next = m_block + 1 < m_block_max;
     if constexpr (Traits::kLoadAhead) {
-      Traits::CopyQ::store(q_regs, sQ, tid);
-      Traits::CopyQ::store(do_regs, sdO, tid);
-      if (m_block + 1 < m_block_max) load_step(m_block + 1);
-    } else {
+      store_step(buf, q_regs, do_regs);
+      if (has_next) load_step(m_block + 1, q_regs, do_regs);
+    } else if constexpr (!Traits::kPingPong) {
       const int rows_left = p.seqlen_q - m_block * kBlockM;
+      Tensor sQ = make_tensor(make_smem_ptr(buf.q), typename Traits::SmemLayoutQ{});
+      Tensor sdO = make_tensor(make_smem_ptr(buf.dout), typename Traits::SmemLayoutQ{});
       Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
       Traits::CopyQ::copy(gdO.block(m_block), sdO, rows_left, p.head_dim, tid);
     }
     // The row statistics are loaded here and first used after S and dP: their products hide the
     // latency (loaded a step ahead, they were spilled, which waits for the load at once).
     const RowStats row(p, row_stats, m_block * kBlockM + tid / Traits::kThreadsPerRow);
-    __syncthreads();
-    rescale_tiles(acc_dk, probs_and_grads<Traits>(smem, p, m_block, n_block, row, ds_exp,
+    if constexpr (!Traits::kPingPong) __syncthreads();
+    rescale_tiles(acc_dk, probs_and_grads<Traits>(smem, buf, p, m_block, n_block, row, ds_exp,
                                                   [&] { return abs_max_of_tiles(acc_dk); }));
+    // With kPingPong, the next Q and dO: loaded after the step's first product, stored into the region
+    // of S and dP (spent now) after its last. (Registers held only through dV and dK's products: held
+    // from the top of the step, or stored before dV and dK, ptxas spilled them at d=128, 40-88 bytes;
+    // H200, forced sm70, backward d=128: +3.5 % over the copy at the top, -3 to -6 % with the spills.)
+    Regs next_q, next_do;
+    auto first_product_done = [&] {
+      if constexpr (Traits::kPingPong) {
+        if (has_next) load_step(m_block + 1, next_q, next_do);
+      } else if constexpr (!Traits::kLoadAhead) {  // the next Q and dO, copied at the top of the next step
+        if (has_next) {
+          Traits::CopyQ::prefetch(gQ.block(m_block + 1), p.seqlen_q - (m_block + 1) * kBlockM, tid);
+          Traits::CopyQ::prefetch(gdO.block(m_block + 1), p.seqlen_q - (m_block + 1) * kBlockM, tid);
+        }
+      }
+    };
+    auto const* s_q = reinterpret_cast<__half const*>(buf.q);
+    auto const* s_do = reinterpret_cast<__half const*>(buf.dout);
     if constexpr (Traits::kDqFirst) {
       dq(m_block, exp2f_int(-ds_exp));
-      if (!Traits::kLoadAhead && m_block + 1 < m_block_max) {  // the next Q and dO, copied at its top
-        Traits::CopyQ::prefetch(gQ.block(m_block + 1), p.seqlen_q - (m_block + 1) * kBlockM, tid);
-        Traits::CopyQ::prefetch(gdO.block(m_block + 1), p.seqlen_q - (m_block + 1) * kBlockM, tid);
-      }
-      dv_dk();
+      first_product_done();
+      dv_dk(s_q, s_do);
     } else {
-      dv_dk();
+      dv_dk(s_q, s_do);
+      first_product_done();
       dq(m_block, exp2f_int(-ds_exp));
     }
+    if constexpr (Traits::kPingPong) {
+      if (has_next) store_step(Traits::buffers(smem, which ^ 1), next_q, next_do);
+      which ^= 1;
+    }
   }
-  __syncthreads();  // the staging tiles alias the scratch: no warp still reads it (also with no step)
+  __syncthreads();  // the staging tiles may alias the scratch: no warp still reads it (also with no step)
 
   // dK = scale dS^T Q and dV, in the input dtype; a key block that no query sees gets zeros.
   auto* dk = static_cast<half_t*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride;
@@ -477,8 +539,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.v), batch * p.v_batch_stride,
                                                head_k * p.v_head_stride, p.v_row_stride);
   // block(i) of gK, gV: (kBlockN, kHeadDim)
-  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
+  const auto buf = Traits::buffers(smem, 0);
+  Tensor sQ = make_tensor(make_smem_ptr(buf.q), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(buf.dout), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
   Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.q), batch * p.q_batch_stride,
@@ -507,7 +570,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
     Traits::CopyKV::copy(gK.block(n_block), sK, keys_left, p.head_dim, tid);
     Traits::CopyKV::copy(gV.block(n_block), sV, keys_left, p.head_dim, tid);
     __syncthreads();
-    rescale_tiles(acc_dq, probs_and_grads<Traits>(smem, p, m_block, n_block, row, ds_exp,
+    rescale_tiles(acc_dq, probs_and_grads<Traits>(smem, buf, p, m_block, n_block, row, ds_exp,
                                                   [&] { return abs_max_of_tiles(acc_dq); }));
     const int band = query_tiles.row * 16 * kLdP;
     mma_row_tiles_split<kBlockN, false>(acc_dq, query_tiles, ds_hi + band, ds_lo + band, kLdP, s_k, kLd,
@@ -515,7 +578,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   }
   __syncthreads();  // the staging tiles alias the scratch
 
-  float* stage = smem.scratch.data() + warp * 16 * 16;
+  float* stage = Traits::stage(smem, warp);
   auto* dq = static_cast<half_t*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
   const int row0 = m_block * kBlockM + query_tiles.row * 16;
   query_tiles.for_each([&](int i, int col0) {
