@@ -165,8 +165,9 @@ __device__ __forceinline__ float read_block_max(float const* warp_max) {
 }
 
 // One step of either kernel: query block m_block against key block n_block, with Q and dO of the block in
-// `buf` and K and V in shared memory. Writes P p_scale(p) and dS s split in hi' / lo to shared memory; s = 2^ds_exp,
-// the same in every thread (ds_exp = 0 before the first step), updated when this step's dS needs another.
+// `buf` and K and V in shared memory. Writes P p_scale(p) and dS s split in hi' / lo to shared memory;
+// s = 2^ds_exp, the same in every thread (ds_exp = 0 before the first step), updated when this step's dS
+// needs another. When a thread returns, every thread is done with buf.scratch (which may take the next Q).
 // Returns the factor (new s / old s, or 1) by which sums kept in units of s must be rescaled before this
 // step's dS is added; sum_abs_max() gives the largest |element| of the calling thread's share of them.
 // `row` holds the statistics of the calling thread's row of the element-wise phase (tid / kThreadsPerRow).
@@ -402,16 +403,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   // Q and dO of a query block, loaded into registers and stored into a region (store_step) later.
   using Regs = decltype(Traits::CopyQ::make_regs());
   Regs q_regs, do_regs;  // kLoadAhead: from a step's top to the next's
-  auto load_step = [&](int m_block, Regs& q_regs, Regs& do_regs) {
+  auto load_step = [&](int m_block, Regs& q_dst, Regs& do_dst) {
     const int rows_left = p.seqlen_q - m_block * kBlockM;
-    Traits::CopyQ::load(gQ.block(m_block), q_regs, rows_left, p.head_dim, tid);
-    Traits::CopyQ::load(gdO.block(m_block), do_regs, rows_left, p.head_dim, tid);
+    Traits::CopyQ::load(gQ.block(m_block), q_dst, rows_left, p.head_dim, tid);
+    Traits::CopyQ::load(gdO.block(m_block), do_dst, rows_left, p.head_dim, tid);
   };
-  auto store_step = [&](typename Traits::Buffers const& buf, Regs const& q_regs, Regs const& do_regs) {
+  auto store_step = [&](typename Traits::Buffers const& buf, Regs const& q_src, Regs const& do_src) {
     Tensor sQ = make_tensor(make_smem_ptr(buf.q), typename Traits::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(buf.dout), typename Traits::SmemLayoutQ{});
-    Traits::CopyQ::store(q_regs, sQ, tid);
-    Traits::CopyQ::store(do_regs, sdO, tid);
+    Traits::CopyQ::store(q_src, sQ, tid);
+    Traits::CopyQ::store(do_src, sdO, tid);
   };
   if ((Traits::kLoadAhead || Traits::kPingPong) && m_block_min < m_block_max) {
     load_step(m_block_min, q_regs, do_regs);
@@ -469,9 +470,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     rescale_tiles(acc_dk, probs_and_grads<Traits>(smem, buf, p, m_block, n_block, row, ds_exp,
                                                   [&] { return abs_max_of_tiles(acc_dk); }));
     // With kPingPong, the next Q and dO: loaded after the step's first product, stored into the region
-    // of S and dP (spent now) after its last. (Registers held only through dV and dK's products: held
-    // from the top of the step, or stored before dV and dK, ptxas spilled them at d=128, 40-88 bytes;
-    // H200, forced sm70, backward d=128: +3.5 % over the copy at the top, -3 to -6 % with the spills.)
+    // of S and dP (spent now) after its last, so that registers hold them through dV and dK's products
+    // only. (Loaded at the top of the step and stored once S and dP were spent, or loaded before dQ's
+    // product, they made ptxas spill 88 and 40 bytes at d=128; H200, forced sm70, backward d=128: -6 %
+    // and -3 % against the copy at the top, +3.5 % as it is.)
     Regs next_q, next_do;
     auto first_product_done = [&] {
       if constexpr (Traits::kPingPong) {
