@@ -108,16 +108,16 @@ struct BwdTraits {
   using CopyKV = GmemTileCopy<kBlockN, kHeadDim, kNThreads>;
 
   // The Q region holds Q, dO (kQHalves each) and the warps' slots of a block-wide max; the scratch, S
-  // and dP side by side, fp32, and without kPingPong, between steps, each warp's 16x16 fp32 tile on its
+  // and dP side by side, fp32. With kPingPong both regions take either role; without, region 0 is the Q
+  // region and region 1 the scratch, which between steps also holds each warp's 16x16 fp32 tile on its
   // way out (its staging tile).
   static constexpr int kQHalves = cosize_v<SmemLayoutQ>;
   static constexpr int kStageFloats = kNWarps * 16 * 16;
   static constexpr int kQRegionBytes = 2 * kQHalves * 2 + kNWarps * 4;
-  static constexpr int kScratchBytes =
-      kPingPong || 2 * kBlockM * kLdS > kStageFloats ? 2 * kBlockM * kLdS * 4 : kStageFloats * 4;
+  static constexpr int kScratchBytes = 2 * kBlockM * kLdS * 4;
   static constexpr int kRegionBytes[2] = {
-      kPingPong && kScratchBytes > kQRegionBytes ? kScratchBytes : kQRegionBytes,
-      kPingPong && kQRegionBytes > kScratchBytes ? kQRegionBytes : kScratchBytes};
+      kPingPong ? cute::max(kQRegionBytes, kScratchBytes) : kQRegionBytes,
+      kPingPong ? cute::max(kQRegionBytes, kScratchBytes) : cute::max(kScratchBytes, kStageFloats * 4)};
 
   struct SharedStorage {  // 32-byte alignment: WMMA loads and stores need 256-bit aligned pointers
     array_aligned<char, kRegionBytes[0], 32> region0;
