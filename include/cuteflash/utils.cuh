@@ -22,6 +22,17 @@ inline void check_cuda(cudaError_t err, const char* what) {
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// threadIdx.x of a block of kNThreads threads, with that range stated: otherwise nvcc (CUDA 13, sm_90)
+// may not know the index is not negative and divide it by powers of two as a signed number (the sm70
+// backward's step at d=64: 1140 instructions instead of 881; H200, forced sm70, d=128: forward +2.5 %,
+// backward +1 %).
+template <int kNThreads>
+__device__ __forceinline__ int thread_index() {
+  const int tid = threadIdx.x;
+  __builtin_assume(tid >= 0 && tid < kNThreads);
+  return tid;
+}
+
 // 2^x on the special function unit; ex2.approx(-inf) is +0, which masked entries rely on.
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
