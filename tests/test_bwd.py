@@ -63,6 +63,16 @@ def test_backward_gqa_mqa(seqlen_q, seqlen_k, nheads, nheads_k, causal, dtype):
     check_grads(*make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, 64, dtype), causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_twice_on_reused_buffers(causal):
+    """The second pass may get the first's freed buffers from PyTorch's caching allocator: dq_accum with
+    the sm70 kernel's per-head counts of finished thread blocks, left at the first pass's totals. Each pass
+    must reset them, or no block of the second would convert its dQ into dq (left unwritten)."""
+    q, k, v = make_qkv(2, 300, 200, 3, 3, 64, torch.float16)
+    for _ in range(2):
+        check_grads(q, k, v, causal)  # a fresh dout each time
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_backward_large_logits_stay_finite(head_dim):
     q, k, v = make_qkv(2, 300, 300, 4, 4, head_dim, torch.float16, scale=10.0)

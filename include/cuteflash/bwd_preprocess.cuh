@@ -14,9 +14,16 @@ __device__ __forceinline__ float* dq_accum_region(BwdParams const& p, int batch,
   return p.dq_accum + (int64_t(batch) * p.nheads + head) * p.dq_accum_rows * kHeadDim;
 }
 
+// The count of a (batch, head)'s dK/dV thread blocks that have added their share of dQ (after the regions).
+template <int kHeadDim>
+__device__ __forceinline__ int* dq_blocks_done(BwdParams const& p, int batch, int head) {
+  return reinterpret_cast<int*>(p.dq_accum + int64_t(p.batch) * p.nheads * p.dq_accum_rows * kHeadDim) +
+         batch * p.nheads + head;
+}
+
 // D for one query row per kThreadsPerRow threads, 16-byte loads (head_dim is a multiple of 8 and rows
 // are 16-byte aligned). Unless the pass is deterministic, the same threads zero the row's dq_accum,
-// padding rows included (the grid covers dq_accum_rows).
+// padding rows included (the grid covers dq_accum_rows), and the first zeroes the count of blocks done.
 template <typename Element, int kHeadDim>
 struct Preprocess {
   static constexpr int kThreads = 128;
@@ -34,6 +41,7 @@ __global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_p
   if (!p.deterministic && row < p.dq_accum_rows) {
     float4* acc = reinterpret_cast<float4*>(dq_accum_region<kHeadDim>(p, batch, head) + row * kHeadDim);
     for (int c = lane; c < kHeadDim / 4; c += Pre::kThreadsPerRow) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (row == 0 && lane == 0) *dq_blocks_done<kHeadDim>(p, batch, head) = 0;
   }
   const unsigned active = __ballot_sync(0xffffffff, row < p.seqlen_q);  // whole groups of kThreadsPerRow lanes
   if (row >= p.seqlen_q) return;
@@ -68,33 +76,32 @@ struct RowStats {
   __device__ float lse_log2() const { return lse * 1.4426950408889634f; }
 };
 
-// dq = dq_accum for regions laid out row-major, (dq_accum_rows, kHeadDim): a thread per 4 columns of a
-// row (head_dim is a multiple of 8).
-constexpr int kConvertThreads = 256;
-
-template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(kConvertThreads) convert_dq_rowmajor_kernel(const BwdParams p) {
-  constexpr int kChunks = kHeadDim / 4;
-  constexpr int kRowsPerBlock = kConvertThreads / kChunks;
-  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kChunks;
-  const int col = threadIdx.x % kChunks * 4;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  if (threadIdx.x >= kRowsPerBlock * kChunks || row >= p.seqlen_q || col >= p.head_dim) return;
-  float4 x = *reinterpret_cast<float4 const*>(dq_accum_region<kHeadDim>(p, batch, head) + row * kHeadDim + col);
-  auto* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride + row * p.dq_row_stride +
-             head * p.dq_head_stride + col;
-  dq[0] = Element(x.x);
-  dq[1] = Element(x.y);
-  dq[2] = Element(x.z);
-  dq[3] = Element(x.w);
-}
-
-template <typename Element, int kHeadDim>
-void launch_convert_dq_rowmajor(BwdParams const& p, cudaStream_t stream) {
-  constexpr int kRowsPerBlock = kConvertThreads / (kHeadDim / 4);
-  dim3 grid(ceil_div(p.seqlen_q, kRowsPerBlock), p.nheads, p.batch);
-  launch(&convert_dq_rowmajor_kernel<Element, kHeadDim>, grid, kConvertThreads, 0, stream, p, "dQ conversion");
+// dq = dq_accum of one (batch, head) whose region is laid out row-major, (dq_accum_rows, kHeadDim), by the
+// kThreads threads of a thread block: 16-byte loads from L2 (another block's atomics wrote the region; L1
+// may not be coherent with them), kUnroll in flight per thread, 8-byte stores (head_dim is a multiple of 8).
+template <typename Element, int kHeadDim, int kThreads>
+__device__ void convert_dq_rowmajor(BwdParams const& p, int batch, int head) {
+  constexpr int kChunks = kHeadDim / 4;  // of 4 floats per row
+  constexpr int kUnroll = 8;
+  auto const* acc = reinterpret_cast<float4 const*>(dq_accum_region<kHeadDim>(p, batch, head));
+  auto* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
+  const int chunks = p.seqlen_q * kChunks;
+  for (int first = threadIdx.x; first < chunks; first += kThreads * kUnroll) {
+    float4 x[kUnroll];
+    CUTE_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      if (first + u * kThreads < chunks) x[u] = __ldcg(acc + first + u * kThreads);
+    }
+    CUTE_UNROLL
+    for (int u = 0; u < kUnroll; ++u) {
+      const int chunk = first + u * kThreads;
+      const int row = chunk / kChunks, col = chunk % kChunks * 4;
+      if (chunk < chunks && col < p.head_dim) {
+        alignas(8) Element out[4] = {Element(x[u].x), Element(x[u].y), Element(x[u].z), Element(x[u].w)};
+        *reinterpret_cast<uint2*>(dq + row * p.dq_row_stride + col) = *reinterpret_cast<uint2 const*>(out);
+      }
+    }
+  }
 }
 
 template <typename Element, int kHeadDim>

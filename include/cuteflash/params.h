@@ -46,7 +46,8 @@ struct BwdParams : FwdParams {
   // dq_accum_rows = round_up(seqlen_q, 128) rows of the kernel's head dim per (batch, head), one after
   // another (dq_accum_region). Whole 128-row blocks, so that the kernels add whole tiles without bounds
   // checks (zeros into the padding). Each family lays out its region as suits its atomics and converts
-  // it into dq itself.
+  // it into dq itself. After the regions, one int per (batch, head), zeroed too (dq_blocks_done: the sm70
+  // family converts a head's dQ in the dK/dV kernel, by the last of its thread blocks to finish).
   float* dq_accum;
   int dq_accum_rows;
   void* dq;          // like q

@@ -5,6 +5,7 @@
 //   S = Q K^T   -> P = exp(scale S - lse)      (S and dP pass through a shared fp32 scratch: WMMA's
 //   dP = dO V^T -> dS = P (dP - D)              accumulator layout is unspecified, rows are not known)
 //   dV += P^T dO,  dK += dS^T Q,  dQ += dS K (fp32 atomics, or bwd_dq_kernel when deterministic)
+// The last of a head's blocks to finish converts the head's summed dQ into dq.
 // P and dS are fp32 and feed fp16 tensor-core products, so each is stored split in hi' and lo (see
 // wmma.cuh) and both halves are multiplied, accumulating in fp32. Scaling keeps small values out of
 // fp16's subnormal range (below 2^-14, where precision drops, and 2^-24, where values flush to 0):
@@ -178,7 +179,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   constexpr int kLd = Traits::kLdQKV;
   constexpr int kCols = Traits::kCols;
   constexpr int kTilesN = Traits::kBlockN / 16;
-  const int tid = threadIdx.x;
+  const int tid = thread_index<Traits::kNThreads>();
   const int warp = tid / 32;
   float* scratch = buf.scratch;
 
@@ -361,7 +362,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int head_k = head / (p.nheads / p.nheads_k);
-  const int tid = threadIdx.x;
+  const int tid = thread_index<Traits::kNThreads>();
   const int warp = tid / 32;
   const int keys_left = p.seqlen_k - n_block * kBlockN;
   // Query blocks with a row that sees a key of this block (causal: query i sees keys j <= i + shift).
@@ -447,15 +448,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   };
 
   int which = 0;  // the region holding the step's Q and dO (always 0 without kPingPong)
+  const int row_in_block = tid / Traits::kThreadsPerRow;  // the calling thread's in probs_and_grads
+  RowStats row_ahead(p, row_stats, m_block_min * kBlockM + row_in_block);  // kLoadAhead: the coming step's
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     // No warp still reads the previous Q, dO, P, dS or its staging tile; with kPingPong, this step's Q
     // and dO are in place.
     __syncthreads();
     const auto buf = Traits::buffers(smem, which);
     const bool has_next = m_block + 1 < m_block_max;
+    const int m_next = m_block + 1;  // if has_next
     if constexpr (Traits::kLoadAhead) {
       store_step(buf, q_regs, do_regs);
-      if (has_next) load_step(m_block + 1, q_regs, do_regs);
+      if (has_next) load_step(m_next, q_regs, do_regs);
     } else if constexpr (!Traits::kPingPong) {
       const int rows_left = p.seqlen_q - m_block * kBlockM;
       Tensor sQ = make_tensor(make_smem_ptr(buf.q), typename Traits::SmemLayoutQ{});
@@ -463,9 +467,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
       Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
       Traits::CopyQ::copy(gdO.block(m_block), sdO, rows_left, p.head_dim, tid);
     }
-    // The row statistics are loaded here and first used after S and dP: their products hide the
-    // latency (loaded a step ahead, they were spilled, which waits for the load at once).
-    const RowStats row(p, row_stats, m_block * kBlockM + tid / Traits::kThreadsPerRow);
+    // The row statistics, first used after S and dP. With kLoadAhead loaded a step ahead like Q and dO:
+    // at d=64 the products of S and dP are too short to hide the loads' latency (H200, forced sm70,
+    // loaded here once thread_index had shortened the step: ncu's long-scoreboard stalls 0.97 per issue,
+    // 0.21 loaded ahead). Else loaded here (a step ahead, ptxas spilled them at d=128).
+    const RowStats row = Traits::kLoadAhead ? row_ahead : RowStats(p, row_stats, m_block * kBlockM + row_in_block);
+    if (Traits::kLoadAhead && has_next) row_ahead = RowStats(p, row_stats, m_next * kBlockM + row_in_block);
     if constexpr (!Traits::kPingPong) __syncthreads();
     rescale_tiles(acc_dk, probs_and_grads<Traits>(smem, buf, p, m_block, n_block, row, ds_exp,
                                                   [&] { return abs_max_of_tiles(acc_dk); }));
@@ -477,11 +484,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     Regs next_q, next_do;
     auto first_product_done = [&] {
       if constexpr (Traits::kPingPong) {
-        if (has_next) load_step(m_block + 1, next_q, next_do);
+        if (has_next) load_step(m_next, next_q, next_do);
       } else if constexpr (!Traits::kLoadAhead) {  // the next Q and dO, copied at the top of the next step
         if (has_next) {
-          Traits::CopyQ::prefetch(gQ.block(m_block + 1), p.seqlen_q - (m_block + 1) * kBlockM, tid);
-          Traits::CopyQ::prefetch(gdO.block(m_block + 1), p.seqlen_q - (m_block + 1) * kBlockM, tid);
+          Traits::CopyQ::prefetch(gQ.block(m_next), p.seqlen_q - m_next * kBlockM, tid);
+          Traits::CopyQ::prefetch(gdO.block(m_next), p.seqlen_q - m_next * kBlockM, tid);
         }
       }
     };
@@ -501,7 +508,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
       which ^= 1;
     }
   }
-  __syncthreads();  // the staging tiles may alias the scratch: no warp still reads it (also with no step)
+  // The staging tiles may alias the scratch: no warp still reads it (also with no step). And every warp
+  // has issued its dQ atomics: count the block done (release: its atomics before the count).
+  __syncthreads();
+  int blocks_done_before = 0;
+  if (!p.deterministic && tid == 0) {
+    __threadfence();
+    blocks_done_before = atomicAdd(dq_blocks_done<kHeadDim>(p, batch, head), 1);
+  }
 
   // dK = scale dS^T Q and dV, in the input dtype; a key block that no query sees gets zeros.
   auto* dk = static_cast<half_t*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride;
@@ -514,6 +528,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv_row_stride + col0,
                     p.dv_row_stride, p.seqlen_k - row0, p.head_dim - col0);
   });
+
+  // The head's last block to finish converts its dQ (acquire: the other blocks' atomics after the count;
+  // the count came back during the stores above). The head's query rows that no key sees are zeros.
+  bool last = false;
+  if (!p.deterministic && tid == 0 && blocks_done_before == int(gridDim.x) - 1) {
+    last = true;
+    __threadfence();
+  }
+  if (__syncthreads_or(last)) convert_dq_rowmajor<half_t, kHeadDim, Traits::kNThreads>(p, batch, head);
 }
 
 // Deterministic dQ: one thread block per query block walks the key blocks it sees in a fixed order,
@@ -532,7 +555,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int head_k = head / (p.nheads / p.nheads_k);
-  const int tid = threadIdx.x;
+  const int tid = thread_index<Traits::kNThreads>();
   const int warp = tid / 32;
   const int rows_left = p.seqlen_q - m_block * kBlockM;
 

@@ -1,6 +1,6 @@
 // Host side of the sm70 backward: D = rowsum(dO * O), the dK/dV kernel (with dQ atomics into dq_accum,
-// then its conversion into dq), or the dQ kernel when a deterministic pass is asked for, on the largest
-// tile that fits the device.
+// which the last thread block of each head converts into dq) and, when a deterministic pass is asked
+// for, the dQ kernel instead of the atomics; on the largest tile that fits the device.
 // Included by the generated src/kernels/bwd_sm70_fp16_hd<D>.cu files only.
 #pragma once
 
@@ -23,8 +23,6 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
     if (p.deterministic) {
       dim3 grid_dq(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
       launch(&bwd_dq_kernel<Traits>, grid_dq, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm70 backward dQ");
-    } else {
-      launch_convert_dq_rowmajor<Element, kHeadDim>(p, stream);
     }
   };
   // (query rows per step, keys per block): 32 x 64, above head dim 64 with Q and dO in two regions that
