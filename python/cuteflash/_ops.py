@@ -155,6 +155,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.mark_non_differentiable(lse)  # as flash-attn: the log-sum-exp is returned for inspection only
+    ctx.set_materialize_grads(False)  # lse's gradient stays None instead of a tensor of zeros
 
 
 def _backward(ctx, grad_out, grad_lse):
