@@ -50,7 +50,7 @@ struct FwdTraits {
   static constexpr int kLdP = kBlockN + 8;     // halves: per-warp P hi / lo
   // Each warp's scratch holds its rows of S (fp32), then of P (hi', lo: fp16) in their place.
   static constexpr int kPLoOffset = kWarpRows * kLdP;  // halves
-  static constexpr int kScratchBytes = kWarpRows * (kLdS * 4 > 2 * kLdP * 2 ? kLdS * 4 : 2 * kLdP * 2);
+  static constexpr int kScratchBytes = kWarpRows * cute::max(kLdS * 4, 2 * kLdP * 2);
   static_assert(kScratchBytes % 32 == 0 && kPLoOffset * 2 % 32 == 0);  // WMMA: 256-bit aligned pointers
   using SmemLayoutQ = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
   using SmemLayoutKV = Layout<Shape<Int<kBlockN>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
