@@ -100,7 +100,12 @@ struct BwdTraits {
   // per tile and step) one at a time. (Sharing columns instead, B loaded once and A per tile for each
   // step, takes 50 % more fragment loads for dK and dV at d=128; H200, forced sm70: d=64 1-2 % slower,
   // d=128 within 1 %.)
-  using KeyTiles = WarpRowTiles<kBlockN / 16, kHeadDim / 16, kNWarps>;
+  // kSplitKeyProducts: dV on the first half of the warps, dK on the other, each warp a whole 16-key row
+  // of its product, so that a split A fragment (P^T or dS^T) serves 4 tiles instead of 2. At d=64 shared
+  // memory's bandwidth bounds the step (H200, forced sm70: ncu's L1 throughput 85 %, 2 / 3 of it the
+  // fragment loads), and this takes a quarter of dV's and dK's loads away.
+  static constexpr bool kSplitKeyProducts = kHeadDim <= 64;
+  using KeyTiles = WarpRowTiles<kBlockN / 16, kHeadDim / 16, kSplitKeyProducts ? kNWarps / 2 : kNWarps>;
   using QueryTiles = WarpRowTiles<kBlockM / 16, kHeadDim / 16, kNWarps>;
 
   using SmemLayoutQ = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
@@ -113,9 +118,13 @@ struct BwdTraits {
   // region and region 1 the scratch, which between steps also holds each warp's 16x16 fp32 tile on its
   // way out (its staging tile).
   static constexpr int kQHalves = cosize_v<SmemLayoutQ>;
-  static constexpr int kStageFloats = kNWarps * 16 * 16;
   static constexpr int kQRegionBytes = 2 * kQHalves * 2 + kNWarps * 4;
   static constexpr int kScratchBytes = 2 * kBlockM * kLdS * 4;
+  // A staging tile's leading dimension, in floats: 24 where the tiles fit in the scratch that way
+  // (conflict-free accumulator stores and, in red_add_tile, reads), else 16, the shared memory the tile
+  // variants of the smaller GPUs have (with kPingPong, at d=128, a V100 has no 4 KB to spare).
+  static constexpr int kStageLd = !kPingPong && kScratchBytes >= kNWarps * 16 * 24 * 4 ? 24 : 16;
+  static constexpr int kStageFloats = kNWarps * 16 * kStageLd;
   static constexpr int kRegionBytes[2] = {
       kPingPong ? cute::max(kQRegionBytes, kScratchBytes) : kQRegionBytes,
       kPingPong ? cute::max(kQRegionBytes, kScratchBytes) : cute::max(kScratchBytes, kStageFloats * 4)};
@@ -144,7 +153,7 @@ struct BwdTraits {
   }
   // The calling warp's staging tile.
   __device__ static float* stage(SharedStorage& smem, int warp) {
-    return (kPingPong ? smem.stage.data() : reinterpret_cast<float*>(smem.region1.data())) + warp * 16 * 16;
+    return (kPingPong ? smem.stage.data() : reinterpret_cast<float*>(smem.region1.data())) + warp * 16 * kStageLd;
   }
 };
 
@@ -324,26 +333,34 @@ __device__ __forceinline__ void rescale_tiles(FragAcc (&acc)[kTiles], float fact
 }
 
 // Adds acc * scale (a 16x16 fp32 tile) into out (row-major fp32 in global memory) with atomic
-// reductions, rows below rows_valid, columns below cols_valid. Each instruction covers two rows of 16.
-// The lane reads its 8 values first, so that it waits for shared memory once, not before every atomic.
+// reductions, rows below rows_valid, columns below cols_valid, through the warp's staging tile (leading
+// dimension kLd floats). Each instruction covers two rows of 16, row(i) and row(i) + kPair, 16 banks apart:
+// kLd = 16, rows 0 and 1, 2 and 3, ...; kLd = 24, rows 0 and 2, 1 and 3, 4 and 6, ... (where the
+// accumulator's stores, 8 rows of 32 bytes each as WMMA lowers on sm80+, meet a bank twice at most, rows
+// 24 banks apart, against four times at kLd = 16). The lane reads its 8 values first, so that it waits for
+// shared memory once, not before every atomic.
+template <int kLd>
 __device__ __forceinline__ void red_add_tile(FragAcc const& acc, float scale, float* stage, float* out,
                                              int64_t row_stride, int rows_valid, int cols_valid) {
+  static_assert(kLd % 32 == 16 || kLd % 32 == 24);
+  constexpr int kPair = kLd % 32 == 16 ? 1 : 2;
   const int lane = threadIdx.x % 32;
-  nvcuda::wmma::store_matrix_sync(stage, acc, 16, nvcuda::wmma::mem_row_major);
+  nvcuda::wmma::store_matrix_sync(stage, acc, kLd, nvcuda::wmma::mem_row_major);
   __syncwarp();
-  const int r0 = lane / 16, c = lane % 16;
+  const int r0 = (lane / 16) * kPair, c = lane % 16;
+  auto row = [](int i) { return (i / kPair) * 2 * kPair + i % kPair; };
   float x[8];
   CUTE_UNROLL
-  for (int i = 0; i < 8; ++i) x[i] = stage[(2 * i + r0) * 16 + c] * scale;
+  for (int i = 0; i < 8; ++i) x[i] = stage[(row(i) + r0) * kLd + c] * scale;
   __syncwarp();  // the staging tile is free
   out += r0 * row_stride + c;
   if (rows_valid >= 16 && cols_valid >= 16) {
     CUTE_UNROLL
-    for (int i = 0; i < 8; ++i) global_red_add(out + 2 * i * row_stride, x[i]);
+    for (int i = 0; i < 8; ++i) global_red_add(out + row(i) * row_stride, x[i]);
   } else if (c < cols_valid) {
     CUTE_UNROLL
     for (int i = 0; i < 8; ++i) {
-      if (2 * i + r0 < rows_valid) global_red_add(out + 2 * i * row_stride, x[i]);
+      if (row(i) + r0 < rows_valid) global_red_add(out + row(i) * row_stride, x[i]);
     }
   }
 }
@@ -384,13 +401,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
                        sV, keys_left, p.head_dim, tid);
 
   using KeyTiles = typename Traits::KeyTiles;
-  const KeyTiles key_tiles(warp);
-  FragAcc acc_dk[KeyTiles::kCount], acc_dv[KeyTiles::kCount];
+  constexpr bool kSplit = Traits::kSplitKeyProducts;
+  const KeyTiles key_tiles(kSplit ? warp % (Traits::kNWarps / 2) : warp);
+  // The warp's tiles of dK and dV; with kSplit those of one of them (has_dk, has_dv), in acc_dk either way.
+  const bool has_dk = !kSplit || warp >= Traits::kNWarps / 2;
+  const bool has_dv = !kSplit || warp < Traits::kNWarps / 2;
+  FragAcc acc_dk[KeyTiles::kCount], acc_dv_own[kSplit ? 1 : KeyTiles::kCount];
+  auto& acc_dv = [&]() -> FragAcc(&)[KeyTiles::kCount] {
+    if constexpr (kSplit) return acc_dk; else return acc_dv_own;
+  }();
   int ds_exp = 0;  // dS, and so dK, are kept in units of 2^ds_exp (probs_and_grads)
   CUTE_UNROLL
   for (int i = 0; i < KeyTiles::kCount; ++i) {
     nvcuda::wmma::fill_fragment(acc_dk[i], 0.f);
-    nvcuda::wmma::fill_fragment(acc_dv[i], 0.f);
+    if constexpr (!kSplit) nvcuda::wmma::fill_fragment(acc_dv[i], 0.f);
   }
   auto const* p_hi = reinterpret_cast<__half const*>(smem.p_hi.data());
   auto const* p_lo = reinterpret_cast<__half const*>(smem.p_lo.data());
@@ -424,10 +448,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   // K = the step's queries. The warp's band of P^T / dS^T is the key tile row's 16 columns of P / dS.
   auto dv_dk = [&](__half const* s_q, __half const* s_do) {
     const int band = key_tiles.row * 16;
-    mma_row_tiles_split<kBlockM, true>(acc_dv, key_tiles, p_hi + band, p_lo + band, kLdP, s_do, kLd,
-                                       p.fp16_correction);
-    mma_row_tiles_split<kBlockM, true>(acc_dk, key_tiles, ds_hi + band, ds_lo + band, kLdP, s_q, kLd,
-                                       p.fp16_correction);
+    if (has_dv) {
+      mma_row_tiles_split<kBlockM, true>(acc_dv, key_tiles, p_hi + band, p_lo + band, kLdP, s_do, kLd,
+                                         p.fp16_correction);
+    }
+    if (has_dk) {
+      mma_row_tiles_split<kBlockM, true>(acc_dk, key_tiles, ds_hi + band, ds_lo + band, kLdP, s_q, kLd,
+                                         p.fp16_correction);
+    }
   };
   // dQ += scale dS K / s, added to the fp32 buffer tile by tile.
   using QueryTiles = typename Traits::QueryTiles;
@@ -442,7 +470,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
                                         p.fp16_correction);
     const int row0 = m_block * kBlockM + query_tiles.row * 16;
     query_tiles.for_each([&](int i, int col0) {
-      red_add_tile(acc[i], p.softmax_scale * ds_unscale, stage, dq_accum + int64_t(row0) * kHeadDim + col0,
+      red_add_tile<Traits::kStageLd>(acc[i], p.softmax_scale * ds_unscale, stage, dq_accum + int64_t(row0) * kHeadDim + col0,
                    kHeadDim, p.seqlen_q - row0, p.head_dim - col0);
     });
   };
@@ -474,8 +502,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     const RowStats row = Traits::kLoadAhead ? row_ahead : RowStats(p, row_stats, m_block * kBlockM + row_in_block);
     if (Traits::kLoadAhead && has_next) row_ahead = RowStats(p, row_stats, m_next * kBlockM + row_in_block);
     if constexpr (!Traits::kPingPong) __syncthreads();
-    rescale_tiles(acc_dk, probs_and_grads<Traits>(smem, buf, p, m_block, n_block, row, ds_exp,
-                                                  [&] { return abs_max_of_tiles(acc_dk); }));
+    const float dk_rescale = probs_and_grads<Traits>(smem, buf, p, m_block, n_block, row, ds_exp,
+                                                     [&] { return has_dk ? abs_max_of_tiles(acc_dk) : 0.f; });
+    if (has_dk) rescale_tiles(acc_dk, dk_rescale);
     // With kPingPong, the next Q and dO: loaded after the step's first product, stored into the region
     // of S and dP (spent now) after its last, so that registers hold them through dV and dK's products
     // only. (Loaded at the top of the step and stored once S and dP were spent, or loaded before dQ's
@@ -522,11 +551,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   auto* dv = static_cast<half_t*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride;
   const int row0 = n_block * kBlockN + key_tiles.row * 16;
   key_tiles.for_each([&](int i, int col0) {
-    store_tile_fp16(acc_dk[i], p.softmax_scale * exp2f_int(-ds_exp), stage,
-                    dk + int64_t(row0) * p.dk_row_stride + col0, p.dk_row_stride, p.seqlen_k - row0,
-                    p.head_dim - col0);
-    store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv_row_stride + col0,
-                    p.dv_row_stride, p.seqlen_k - row0, p.head_dim - col0);
+    if (has_dk) {
+      store_tile_fp16(acc_dk[i], p.softmax_scale * exp2f_int(-ds_exp), stage,
+                      dk + int64_t(row0) * p.dk_row_stride + col0, p.dk_row_stride, p.seqlen_k - row0,
+                      p.head_dim - col0);
+    }
+    if (has_dv) {
+      store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv_row_stride + col0,
+                      p.dv_row_stride, p.seqlen_k - row0, p.head_dim - col0);
+    }
   });
 
   // The head's last block to finish converts its dQ (acquire: the other blocks' atomics after the count;
