@@ -46,7 +46,10 @@ struct FwdTraits {
   // Row-major shared tiles padded by 16 bytes, so that the 16 rows of a WMMA load do not share banks
   // (WMMA loads take a pointer and a leading dimension: no swizzle).
   static constexpr int kLdQKV = kHeadDim + 8;  // halves
-  static constexpr int kLdS = kBlockN + 4;     // floats: per-warp S scratch, also O tiles at the end
+  // floats: per-warp S scratch, also O tiles at the end. Rows 8 banks apart: the accumulator stores of a
+  // half-warp (4 rows of 32 bytes, as WMMA lowers on sm80+) hit distinct banks (4 banks apart, they were
+  // 2-way conflicts: ncu, H200, forward d=64, 9.5 M in 80 M shared wavefronts).
+  static constexpr int kLdS = kBlockN + 8;
   static constexpr int kLdP = kBlockN + 8;     // halves: per-warp P hi / lo
   // Each warp's scratch holds its rows of S (fp32), then of P (hi', lo: fp16) in their place.
   static constexpr int kPLoOffset = kWarpRows * kLdP;  // halves
@@ -95,14 +98,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   const int rows_left = p.seqlen_q - m_block * kBlockM;
   // The row (of this warp's) and the part of the key columns this lane owns in the scratch: with 32
   // rows, lane r all of row r; with 16, lanes 0-15 the first half of rows 0-15, lanes 16-31 the second.
-  // Rows 8-15 (mod 16) visit their quads of columns rotated by one, so that the 16-byte reads of S (8
-  // lanes at a time) and the 8-byte writes of P (16 at a time) hit distinct banks: with lane pairs
-  // owning a row and no rotation, both were 4-way conflicts (ncu, H200, d=64: 220 M conflicts in 425 M
-  // shared wavefronts).
+  // Rows r with bit 2 of r differing from bit 3 visit their quads of columns rotated by one, so that the
+  // 16-byte reads of S (8 lanes at a time, rows 8 banks apart) and the 8-byte writes of P (16 at a time,
+  // rows 20 banks apart) hit distinct banks: with lane pairs owning a row and no rotation, both were
+  // 4-way conflicts (ncu, H200, d=64: 220 M conflicts in 425 M shared wavefronts).
   const int my_row = lane % kWarpRows;
   const int my_half = lane / kWarpRows;  // 0 with 32 rows
   const int my_col0 = my_half * kColsPerLane;
-  const int my_rotation = (my_row / 8) % 2;
+  const int my_rotation = ((my_row / 4) ^ (my_row / 8)) % 2;
   const int row_in_block = warp * kWarpRows + my_row;
   const int q_row = m_block * kBlockM + row_in_block;
 
