@@ -470,8 +470,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
                                         p.fp16_correction);
     const int row0 = m_block * kBlockM + query_tiles.row * 16;
     query_tiles.for_each([&](int i, int col0) {
-      red_add_tile<Traits::kStageLd>(acc[i], p.softmax_scale * ds_unscale, stage, dq_accum + int64_t(row0) * kHeadDim + col0,
-                   kHeadDim, p.seqlen_q - row0, p.head_dim - col0);
+      red_add_tile<Traits::kStageLd>(acc[i], p.softmax_scale * ds_unscale, stage,
+                                     dq_accum + int64_t(row0) * kHeadDim + col0, kHeadDim, p.seqlen_q - row0,
+                                     p.head_dim - col0);
     });
   };
 
