@@ -112,16 +112,18 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if separate_dq:
         dq_accum = torch.empty(0, **f32)
-        d_rowsum = torch.empty((batch, nheads, seqlen_q), **f32)
     else:
         # Whole 128-row blocks of the kernel's head dim per (batch, head), then a count per (batch, head), laid
         # out and zeroed by the kernels (params.h).
         regions = batch * nheads * (-(-seqlen_q // 128) * 128) * kernel_head_dim(head_dim)
         dq_accum = torch.empty(regions + batch * nheads, **f32)
-        if family == "sm70":  # dq is written by the dK/dV kernel, while other thread blocks still read D
-            d_rowsum = torch.empty((batch, nheads, seqlen_q), **f32)
-        else:  # D = rowsum(dO * O) lives in dq's memory until the last kernel, which reads dq_accum, writes dq
-            d_rowsum = dq.view(-1)[: 2 * batch * nheads * seqlen_q].view(torch.float32)
+    # D = rowsum(dO * O) lives in dq's memory where dq is written only by the last kernel, which reads dq_accum
+    # (sm80's atomics); it needs its own buffer where a kernel reading D writes dq (the deterministic dQ kernel,
+    # or sm70's dK/dV kernel, whose last thread block of a head converts dQ while other blocks still read D).
+    if separate_dq or family == "sm70":
+        d_rowsum = torch.empty((batch, nheads, seqlen_q), **f32)
+    else:
+        d_rowsum = dq.view(-1)[: 2 * batch * nheads * seqlen_q].view(torch.float32)
     # A dK/dV per query head (for MQA/GQA, summed over each group below).
     dk = torch.empty((batch, seqlen_k, nheads, head_dim), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)

@@ -335,10 +335,10 @@ __device__ __forceinline__ void rescale_tiles(FragAcc (&acc)[kTiles], float fact
 // Adds acc * scale (a 16x16 fp32 tile) into out (row-major fp32 in global memory) with atomic
 // reductions, rows below rows_valid, columns below cols_valid, through the warp's staging tile (leading
 // dimension kLd floats). Each instruction covers two rows of 16, row(i) and row(i) + kPair, 16 banks apart:
-// kLd = 16, rows 0 and 1, 2 and 3, ...; kLd = 24, rows 0 and 2, 1 and 3, 4 and 6, ... (where the
-// accumulator's stores, 8 rows of 32 bytes each as WMMA lowers on sm80+, meet a bank twice at most, rows
-// 24 banks apart, against four times at kLd = 16). The lane reads its 8 values first, so that it waits for
-// shared memory once, not before every atomic.
+// kLd = 16, rows 0 and 1, 2 and 3, ...; kLd = 24, rows 0 and 2, 1 and 3, 4 and 6, ... (where a half-warp of
+// the accumulator's stores, 4 rows of 32 bytes as WMMA lowers on sm80+, hits distinct banks, rows 24 banks
+// apart; at kLd = 16, 2-way conflicts). The lane reads its 8 values first, so that it waits for shared
+// memory once, not before every atomic.
 template <int kLd>
 __device__ __forceinline__ void red_add_tile(FragAcc const& acc, float scale, float* stage, float* out,
                                              int64_t row_stride, int rows_valid, int cols_valid) {
