@@ -19,6 +19,15 @@ def require_support(dtype=None, backward=False) -> None:
         pytest.skip(f"the {family} family has no backward kernels yet")
 
 
+def require_head_dim(head_dim: int) -> None:
+    """Skip a kernel head dim that this build did not compile for the family serving this GPU."""
+    from cuteflash._lib import build_info, kernel_head_dim, select_family
+
+    family = select_family(torch.device("cuda"))
+    if kernel_head_dim(head_dim) not in build_info()["families"][family]["head_dims"]:
+        pytest.skip(f"this build has no {family} kernel for head dim {head_dim}")
+
+
 def poison_cache(*like: torch.Tensor) -> None:
     """Fill memory of the caching allocator with NaN, so that outputs allocated next start as NaN and an
     element the kernel forgets to write fails the finiteness check."""

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from cuteflash import flash_attn_func, flash_attn_qkvpacked_func
+from cuteflash._lib import KERNEL_HEAD_DIMS
 from cuteflash.reference import attention_ref
-from helpers import assert_close_2x, require_support
+from helpers import assert_close_2x, poison_cache, require_head_dim, require_support
 from test_fwd import make_qkv
 
 pytestmark = pytest.mark.gpu
@@ -136,6 +137,39 @@ def test_deterministic_backward_is_bitwise_reproducible(head_dim, causal, dtype)
 def test_deterministic_backward_accuracy(seqlen_q, seqlen_k, head_dim, causal, dtype):
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
     check_grads(q, k, v, causal, fn=lambda *a, **kw: flash_attn_func(*a, deterministic=True, **kw))
+
+
+# Causal with more queries than keys: the first seqlen_q - seqlen_k rows see no key, and with them whole
+# query blocks of every tile size (a kernel that skips such a block must still write its dq as zeros).
+NO_KEY_SEQLENS = [(512, 256), (239, 1), (203, 113), (513, 127)]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic-dq"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", NO_KEY_SEQLENS)
+def test_backward_rows_without_keys(seqlen_q, seqlen_k, head_dim, dtype, deterministic):
+    """Every kernel head dim, both dQ paths: the gradients pass the 2x rule in each of three calls, dq is
+    exactly 0 on the rows that see no key, and the deterministic path repeats bitwise."""
+    require_head_dim(head_dim)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
+    dout = torch.randn_like(q)
+    ref = reference_grads(q, k, v, dout, True, torch.float64)
+    pt = reference_grads(q, k, v, dout, True, dtype)
+    runs = []
+    for _ in range(3):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        poison_cache(q, q, k, k)  # dq and dk/dv of the next call start as NaN
+        flash_attn_func(*leaves, causal=True, deterministic=deterministic).backward(dout)
+        grads = [t.grad for t in leaves]
+        for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref, pt):
+            assert_close_2x(name, g, r, p)
+        assert torch.all(grads[0][:, : seqlen_q - seqlen_k] == 0), "dq of rows that see no key must be 0"
+        runs.append(grads)
+    if deterministic:
+        for later in runs[1:]:
+            for name, a, b in zip(("dq", "dk", "dv"), runs[0], later):
+                assert torch.equal(a, b), f"{name} differs between two identical deterministic calls"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])

@@ -376,6 +376,15 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
   Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutVt{});    // (kHeadDim, kBlockN)
+  Tensor gdQ = dq_tile<kBlockM, kHeadDim, Element>(p, batch, head, m_block);                 // (kBlockM, kHeadDim)
+
+  // A block that sees no key (causal, seqlen_q > seqlen_k) has dQ = 0 and loads nothing: the epilogue
+  // reuses sQ, which a Q copy still in flight (awaited only inside the key loop) would overwrite.
+  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
+  if (keys.n_block_max == 0) {
+    store_zero_tile<Traits>(sQ, gdQ, rows_left, p.head_dim);
+    return;
+  }
 
   typename Traits::GmemTiledCopyQKV gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
@@ -414,7 +423,6 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   float lse_log2[kRows], d_row[kRows];
   load_row_stats(p, (int64_t(batch) * p.nheads + head) * p.seqlen_q, m_block * kBlockM, tScS_rc, lse_log2, d_row);
 
-  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
   for (int n_block = keys.n_block_max - 1; n_block >= 0; --n_block) {
     __syncthreads();  // no warp still reads the previous K and V
     int keys_left = p.seqlen_k - n_block * kBlockN;
@@ -442,9 +450,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
     gemm_rs(acc_dq, tdQrdS, tdQrKt, tdQsKt, tiled_mma, copy_bt, thr_bt);
   }
 
-  __syncthreads();  // no warp reads Q any more
-  store_acc_tile<Traits, kBlockM>(acc_dq, tiled_mma, smem.q.data(),
-                                  dq_tile<kBlockM, kHeadDim, Element>(p, batch, head, m_block), rows_left, p.head_dim);
+  __syncthreads();  // no warp reads Q any more (the loop ran at least once: every copy has landed)
+  store_acc_tile<Traits, kBlockM>(acc_dq, tiled_mma, smem.q.data(), gdQ, rows_left, p.head_dim);
 }
 
 }  // namespace cuteflash::sm80

@@ -80,12 +80,19 @@ __device__ __forceinline__ void store_acc_tile(Acc const& acc, TiledMma const& t
   store_smem_tile<Traits>(s, g, rows_left, head_dim);
 }
 
+// Writes zeros to a (kRows, kHeadDim) global tile through the free shared tile s (the output of a query
+// block that sees no key).
+template <typename Traits, typename SmemTile, typename GmemTile>
+__device__ __forceinline__ void store_zero_tile(SmemTile& s, GmemTile&& g, int rows_left, int head_dim) {
+  typename Traits::GmemTiledCopyO gmem_copy;
+  clear(gmem_copy.get_thread_slice(threadIdx.x).partition_S(s));  // the same elements store_smem_tile reads
+  store_smem_tile<Traits>(s, g, rows_left, head_dim);
+}
+
 // A query block that sees no key (causal with seqlen_q > seqlen_k): O = 0 and lse = +inf.
 template <typename Traits, typename SmemO, typename GmemO>
 __device__ void store_empty_block(SmemO& sO, GmemO& gO, float* lse, FwdParams const& p, int rows_left) {
-  typename Traits::GmemTiledCopyO gmem_copy_o;
-  clear(gmem_copy_o.get_thread_slice(threadIdx.x).partition_S(sO));  // the same elements store_smem_tile reads
-  store_smem_tile<Traits>(sO, gO, rows_left, p.head_dim);
+  store_zero_tile<Traits>(sO, gO, rows_left, p.head_dim);
   for (int row = threadIdx.x; row < min(rows_left, Traits::kBlockM); row += Traits::kNThreads) lse[row] = INFINITY;
 }
 
