@@ -1,13 +1,24 @@
-"""GPU tests carry the `gpu` marker and are skipped, with the reason, where they cannot run."""
+"""Test configuration and the helpers the GPU tests share, as fixtures.
+
+GPU tests carry the `gpu` marker and are skipped, with the reason, where they cannot run. The large
+parameter sweeps also carry `slow`: `pytest -m "not slow"` is a GPU smoke run of a couple of minutes.
+Every GPU check compares with a float64 reference: the kernel's max error must be at most twice that of
+PyTorch's attention in the input dtype, plus 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
 
 import pytest
+import torch
+
+from cuteflash import flash_attn_func
+from cuteflash.reference import attention_ref
 
 
 def _gpu_skip_reason():
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA GPU visible"
     from cuteflash import _lib
@@ -32,14 +43,150 @@ def _seed_from_node_id(request):
     """Seeds torch's global generators (CPU and CUDA) from the test's node id, so that the random inputs of
     a failing test are drawn again when it is rerun. CUTEFLASH_TEST_SEED (an integer) shifts every seed:
     other draws for the same tests."""
-    try:
-        import torch
-    except ImportError:
-        yield
-        return
-    import os
-    import zlib
-
     seed = (zlib.crc32(request.node.nodeid.encode()) + int(os.environ.get("CUTEFLASH_TEST_SEED", "0"))) % 2**31
     torch.manual_seed(seed)  # also seeds every CUDA device's generator (lazily where CUDA is not initialized)
-    yield
+
+
+# ---- Skips for what the build or the kernel family serving this GPU does not hold.
+
+
+def _family_entry() -> tuple[str, dict]:
+    from cuteflash._lib import build_info, select_family
+
+    family = select_family(torch.device("cuda"))
+    return family, build_info()["families"][family]
+
+
+def _require_support(dtype=None, backward=False) -> None:
+    """Skip what the kernel family serving this GPU does not do (bf16 on sm70, e.g. under
+    CUTEFLASH_BACKEND=sm70; the backward pass in a forward-only build)."""
+    family, entry = _family_entry()
+    if dtype == torch.bfloat16 and "bfloat16" not in entry["dtypes"]:
+        pytest.skip(f"the {family} family has no bf16 kernels")
+    if backward and "bwd" not in entry["directions"]:
+        pytest.skip(f"the {family} family has no backward kernels in this build")
+
+
+def _require_head_dim(head_dim: int) -> None:
+    """Skip a head dim whose kernel this build did not compile for the family serving this GPU."""
+    from cuteflash._lib import kernel_head_dim
+
+    family, entry = _family_entry()
+    if kernel_head_dim(head_dim) not in entry["head_dims"]:
+        pytest.skip(f"this build has no {family} kernel for head dim {head_dim}")
+
+
+@pytest.fixture
+def require_support():
+    return _require_support
+
+
+@pytest.fixture
+def require_head_dim():
+    return _require_head_dim
+
+
+# ---- Inputs, references and the 2x rule.
+
+
+def _poison_cache(*like: torch.Tensor) -> None:
+    """Fill memory of the caching allocator with NaN, so that outputs allocated next start as NaN and an
+    element the kernel forgets to write fails the finiteness check."""
+    blocks = [torch.full_like(t, float("nan")) for t in like]
+    del blocks
+
+
+def _max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return (x.double() - ref.double()).abs().max().item() if x.numel() else 0.0
+
+
+def _assert_close_2x(name: str, out: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor) -> None:
+    """out's max error against the float64 reference is at most 2x PyTorch's (same dtype) + 1e-5."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(out), finite), f"{name}: non-finite values where the reference has none"
+    err, pt_err = _max_err(out[finite], ref[finite]), _max_err(pt[finite], ref[finite])
+    assert err <= 2 * pt_err + 1e-5, f"{name}: max error {err:.3e} > 2 x PyTorch's {pt_err:.3e} + 1e-5"
+
+
+def _make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, scale=1.0):
+    """Random q, k, v on the GPU in flash-attn's layout (skips a dtype the serving family lacks)."""
+    _require_support(dtype)
+    g = torch.Generator(device="cuda").manual_seed(torch.randint(0, 2**31, ()).item())
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype, generator=g) * scale
+    k = torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=dtype, generator=g) * scale
+    v = torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+def _run_and_check(q, k, v, causal, fn=flash_attn_func, args=None, softmax_scale=None):
+    """Runs the forward pass (fn on args, default flash_attn_func on q, k, v) and checks out and lse
+    against the references with the 2x rule. Returns out."""
+    out_ref, lse_ref = attention_ref(q, k, v, softmax_scale, causal, compute_dtype=torch.float64)
+    out_pt, lse_pt = attention_ref(q, k, v, softmax_scale, causal, compute_dtype=q.dtype)
+    _poison_cache(out_ref, lse_ref)
+    out, lse, none = fn(*(args or (q, k, v)), causal=causal, softmax_scale=softmax_scale, return_attn_probs=True)
+    torch.cuda.synchronize()
+    assert none is None
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    _assert_close_2x("out", out, out_ref, out_pt)
+    _assert_close_2x("lse", lse, lse_ref, lse_pt)
+    return out
+
+
+def _reference_grads(q, k, v, dout, causal, compute_dtype, softmax_scale=None):
+    """dq, dk, dv of the reference attention computed in compute_dtype."""
+    leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
+    out, _ = attention_ref(*leaves, softmax_scale=softmax_scale, causal=causal, compute_dtype=compute_dtype)
+    out.backward(dout.to(compute_dtype))
+    return [t.grad for t in leaves]
+
+
+def _check_grads(q, k, v, causal, softmax_scale=None, fn=None):
+    """The backward pass of fn (default flash_attn_func) for a random dout, each gradient checked against
+    the references with the 2x rule."""
+    dout = torch.randn_like(q)
+    ref = _reference_grads(q, k, v, dout, causal, torch.float64, softmax_scale)
+    pt = _reference_grads(q, k, v, dout, causal, q.dtype, softmax_scale)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = (fn or flash_attn_func)(*leaves, causal=causal, softmax_scale=softmax_scale)
+    out.backward(dout)
+    for name, leaf, r, p in zip(("dq", "dk", "dv"), leaves, ref, pt):
+        assert leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape
+        _assert_close_2x(name, leaf.grad, r, p)
+
+
+@pytest.fixture
+def poison_cache():
+    return _poison_cache
+
+
+@pytest.fixture
+def max_err():
+    return _max_err
+
+
+@pytest.fixture
+def assert_close_2x():
+    return _assert_close_2x
+
+
+@pytest.fixture
+def make_qkv():
+    return _make_qkv
+
+
+@pytest.fixture
+def run_and_check():
+    return _run_and_check
+
+
+@pytest.fixture
+def reference_grads():
+    return _reference_grads
+
+
+@pytest.fixture
+def check_grads():
+    return _check_grads

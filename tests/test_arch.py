@@ -13,53 +13,62 @@ def targets(sel, family):
     return [str(t) for t in sel.targets[family]]
 
 
-@pytest.mark.parametrize("arch_list,sm70,sm80", [
-    ("8.0;9.0", [], ["8.0", "9.0"]),
-    ("7.0 7.5", ["7.0", "7.5"], []),
-    ("7.0;7.5 8.0", ["7.0", "7.5"], ["8.0"]),
-    (";;8.6;; ;", [], ["8.6"]),
-    ("8.0+PTX", [], ["8.0+PTX"]),
-    ("9.0a", [], ["9.0a"]),
-    ("9.0a;9.0+PTX", [], ["9.0+PTX", "9.0a"]),
-    ("8.0;8.0+PTX", [], ["8.0+PTX"]),
-    ("7.2", ["7.2"], []),
-    ("10.0;12.0", [], ["10.0", "12.0"]),
-])
+@pytest.mark.parametrize(
+    "arch_list,sm70,sm80",
+    [
+        ("8.0;9.0", [], ["8.0", "9.0"]),
+        ("7.0 7.5", ["7.0", "7.5"], []),
+        ("7.0;7.5 8.0", ["7.0", "7.5"], ["8.0"]),
+        (";;8.6;; ;", [], ["8.6"]),
+        ("8.0+PTX", [], ["8.0+PTX"]),
+        ("9.0a", [], ["9.0a"]),
+        ("9.0a;9.0+PTX", [], ["9.0+PTX", "9.0a"]),
+        ("8.0;8.0+PTX", [], ["8.0+PTX"]),
+        ("7.2", ["7.2"], []),
+        ("10.0;12.0", [], ["10.0", "12.0"]),
+    ],
+)
 def test_good_lists(arch_list, sm70, sm80):
     sel = parse(arch_list, cuda=(12, 9))
     assert targets(sel, "sm70") == sm70
     assert targets(sel, "sm80") == sm80
 
 
-@pytest.mark.parametrize("name,sm70,sm80", [
-    ("Volta", ["7.0+PTX"], []),
-    ("Turing", ["7.5+PTX"], []),
-    ("Ampere", [], ["8.0", "8.6+PTX"]),
-    ("Ada", [], ["8.9+PTX"]),
-    ("Hopper", [], ["9.0+PTX"]),
-    ("Volta+Tegra", ["7.2"], []),
-    ("Ampere+Tegra", [], ["8.7"]),
-    ("Volta;Hopper", ["7.0+PTX"], ["9.0+PTX"]),
-])
+@pytest.mark.parametrize(
+    "name,sm70,sm80",
+    [
+        ("Volta", ["7.0+PTX"], []),
+        ("Turing", ["7.5+PTX"], []),
+        ("Ampere", [], ["8.0", "8.6+PTX"]),
+        ("Ada", [], ["8.9+PTX"]),
+        ("Hopper", [], ["9.0+PTX"]),
+        ("Volta+Tegra", ["7.2"], []),
+        ("Ampere+Tegra", [], ["8.7"]),
+        ("Volta;Hopper", ["7.0+PTX"], ["9.0+PTX"]),
+    ],
+)
 def test_named_arches_expand_as_pytorch(name, sm70, sm80):
     sel = parse(name, cuda=(12, 9))
     assert targets(sel, "sm70") == sm70
     assert targets(sel, "sm80") == sm80
 
 
-@pytest.mark.parametrize("junk,message", [
-    ("sm_80", "not understood"),
-    ("8", "not understood"),
-    ("8.0+ptx", "not understood"),
-    ("80", "not understood"),
-    ("banana", "not understood"),
-    ("9.9", "unknown"),
-    ("6.1", "needs Volta"),
-    ("Pascal", "needs Volta"),
-    ("5.2", "needs Volta"),
-    ("", "no entries"),
-    (" ; ", "no entries"),
-])
+@pytest.mark.parametrize(
+    "junk,message",
+    [
+        ("sm_80", "not understood"),
+        ("8", "not understood"),
+        ("8.0+ptx", "not understood"),
+        ("80", "not understood"),
+        ("banana", "not understood"),
+        ("9.9", "unknown"),
+        ("6.1", "needs Volta"),
+        ("Pascal", "needs Volta"),
+        ("5.2", "needs Volta"),
+        ("", "no entries"),
+        (" ; ", "no entries"),
+    ],
+)
 def test_junk_is_rejected_with_a_reason(junk, message):
     with pytest.raises(ArchError, match=message):
         parse(junk, cuda=(12, 9))
@@ -101,8 +110,9 @@ def test_default_list_covers_both_families_the_toolkit_builds(cuda):
 
 
 def run_cmake_mode(*args):
-    out = subprocess.run([sys.executable, _arch.__file__, "--cmake", *args], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, _arch.__file__, "--cmake", *args], capture_output=True, text=True, check=True
+    ).stdout
     return out
 
 
@@ -120,8 +130,12 @@ def test_cmake_mode_reports_errors_for_cmake_to_raise():
 
 
 def test_cli_lists_families():
-    out = subprocess.run([sys.executable, _arch.__file__, "Volta;8.0", "--cuda-version", "12.9"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, _arch.__file__, "Volta;8.0", "--cuda-version", "12.9"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "sm70: 7.0+PTX" in out and "sm80: 8.0" in out
 
 

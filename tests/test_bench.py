@@ -12,14 +12,59 @@ from cuteflash import bench
 def test_defaults_and_flags():
     a = bench.parse_args([])
     assert (a.suite, a.dtype, a.causal, a.forward_only, a.backend, a.layout, a.deterministic, a.plot) == (
-        "default", None, None, False, "auto", "native", False, None)
-    a = bench.parse_args(["--dtype", "bf16", "--no-causal", "--headdim", "64", "--headdim", "128", "--seqlen",
-                          "4096", "--batch", "2", "--heads", "8", "--forward-only", "--backend", "sm80", "--json",
-                          "x.json", "--csv", "x.csv", "--quick", "--layout", "bshd", "--deterministic", "--plot",
-                          "x.png", "--suite", "baselines"])
+        "default",
+        None,
+        None,
+        False,
+        "auto",
+        "native",
+        False,
+        None,
+    )
+    a = bench.parse_args(
+        [
+            "--dtype",
+            "bf16",
+            "--no-causal",
+            "--headdim",
+            "64",
+            "--headdim",
+            "128",
+            "--seqlen",
+            "4096",
+            "--batch",
+            "2",
+            "--heads",
+            "8",
+            "--forward-only",
+            "--backend",
+            "sm80",
+            "--json",
+            "x.json",
+            "--csv",
+            "x.csv",
+            "--quick",
+            "--layout",
+            "bshd",
+            "--deterministic",
+            "--plot",
+            "x.png",
+            "--suite",
+            "baselines",
+        ]
+    )
     assert a.dtype == ["bf16"] and a.causal is False and a.headdim == [64, 128] and a.seqlen == [4096]
     assert (a.batch, a.heads, a.forward_only, a.backend, a.json, a.csv, a.quick, a.plot, a.suite) == (
-        2, 8, True, "sm80", "x.json", "x.csv", True, "x.png", "baselines")
+        2,
+        8,
+        True,
+        "sm80",
+        "x.json",
+        "x.csv",
+        True,
+        "x.png",
+        "baselines",
+    )
     with pytest.raises(SystemExit):
         bench.parse_args(["--dtype", "fp32"])
 
@@ -62,8 +107,10 @@ def fake_result():
     r = bench.Result(bench.Case(1, 2, 64, 64, 64, True, "fp16"), correct=True)
     r.max_err, r.pytorch_err = {"out": 1e-3}, {"out": 2e-3}
     r.peak_mib = {"cuteflash": 10.0, "math": 80.0}
-    r.ms = {"fwd": {"cuteflash": 1.0, "flash": 2.0, "cudnn": None, "efficient": 3.0, "math": 8.0},
-            "bwd": {"cuteflash": 2.0, "flash": 3.0, "cudnn": None, "efficient": 4.0, "math": 10.0}}
+    r.ms = {
+        "fwd": {"cuteflash": 1.0, "flash": 2.0, "cudnn": None, "efficient": 3.0, "math": 8.0},
+        "bwd": {"cuteflash": 2.0, "flash": 3.0, "cudnn": None, "efficient": 4.0, "math": 10.0},
+    }
     r.tflops = {d: {n: (1.0 / t if t else None) for n, t in ms.items()} for d, ms in r.ms.items()}
     return r
 

@@ -13,8 +13,9 @@ NVCC = os.environ.get("CUDACXX") or shutil.which("nvcc")
 # The cmake of this Python's environment (the pip package) comes first: the system one may be too old.
 CMAKE = shutil.which("cmake", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
 
-pytestmark = pytest.mark.skipif(not (CMAKE and NVCC and (ROOT / "CMakeLists.txt").exists()),
-                                reason="needs cmake, nvcc and the source tree")
+pytestmark = pytest.mark.skipif(
+    not (CMAKE and NVCC and (ROOT / "CMakeLists.txt").exists()), reason="needs cmake, nvcc and the source tree"
+)
 
 
 def nvcc_version():
@@ -25,9 +26,21 @@ def nvcc_version():
 
 def configure(tmp_path, *defines):
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CUDA_ARCH_LIST", "CUTLASS_INCLUDE_DIR")}
-    r = subprocess.run([CMAKE, "-S", ROOT, "-B", tmp_path, f"-DCMAKE_CUDA_COMPILER={NVCC}",
-                        f"-DPython_EXECUTABLE={sys.executable}", *defines],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [
+            CMAKE,
+            "-S",
+            ROOT,
+            "-B",
+            tmp_path,
+            f"-DCMAKE_CUDA_COMPILER={NVCC}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            *defines,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     return r.returncode, " ".join((r.stdout + r.stderr).split())  # CMake wraps long messages
 
 

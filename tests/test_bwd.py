@@ -6,16 +6,14 @@ import torch
 
 from cuteflash import flash_attn_func, flash_attn_qkvpacked_func
 from cuteflash._lib import KERNEL_HEAD_DIMS
-from cuteflash.reference import attention_ref
-from helpers import assert_close_2x, poison_cache, require_head_dim, require_support
-from test_fwd import make_qkv
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
-def _needs_backward_kernels():
+def _needs_backward_kernels(require_support):
     require_support(backward=True)
+
 
 DTYPES = [torch.float16, torch.bfloat16]
 HEAD_DIMS = [40, 59, 64, 72, 96, 128, 160, 192, 224, 256]
@@ -26,30 +24,12 @@ SEQLENS = [(1, 1), (17, 17), (113, 203), (203, 113), (1, 300), (300, 1), (1000, 
 SINGLE_KEY = (300, 1)
 
 
-def reference_grads(q, k, v, dout, causal, compute_dtype, softmax_scale=None):
-    leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
-    out, _ = attention_ref(*leaves, softmax_scale=softmax_scale, causal=causal, compute_dtype=compute_dtype)
-    out.backward(dout.to(compute_dtype))
-    return [t.grad for t in leaves]
-
-
-def check_grads(q, k, v, causal, softmax_scale=None, fn=None):
-    dout = torch.randn_like(q)
-    ref = reference_grads(q, k, v, dout, causal, torch.float64, softmax_scale)
-    pt = reference_grads(q, k, v, dout, causal, q.dtype, softmax_scale)
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = (fn or flash_attn_func)(*leaves, causal=causal, softmax_scale=softmax_scale)
-    out.backward(dout)
-    for name, leaf, r, p in zip(("dq", "dk", "dv"), leaves, ref, pt):
-        assert leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape
-        assert_close_2x(name, leaf.grad, r, p)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
-def test_backward(seqlen_q, seqlen_k, head_dim, causal, dtype):
+def test_backward(seqlen_q, seqlen_k, head_dim, causal, dtype, make_qkv, check_grads):
     if (seqlen_q, seqlen_k) == SINGLE_KEY and not causal:
         pytest.skip("exact gradient 0: see test_backward_single_key")
     batch, nheads = (1, 2) if seqlen_q * seqlen_k > 2**20 else (2, 3)
@@ -60,12 +40,12 @@ def test_backward(seqlen_q, seqlen_k, head_dim, causal, dtype):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nheads,nheads_k", [(6, 2), (6, 1)], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(128, 128), (77, 300), (300, 77)])
-def test_backward_gqa_mqa(seqlen_q, seqlen_k, nheads, nheads_k, causal, dtype):
+def test_backward_gqa_mqa(seqlen_q, seqlen_k, nheads, nheads_k, causal, dtype, make_qkv, check_grads):
     check_grads(*make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, 64, dtype), causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_backward_twice_on_reused_buffers(causal):
+def test_backward_twice_on_reused_buffers(causal, make_qkv, check_grads):
     """The second pass may get the first's freed buffers from PyTorch's caching allocator: dq_accum with
     the sm70 kernel's per-head counts of finished thread blocks, left at the first pass's totals. Each pass
     must reset them, or no block of the second would convert its dQ into dq (left unwritten)."""
@@ -75,12 +55,12 @@ def test_backward_twice_on_reused_buffers(causal):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_backward_large_logits_stay_finite(head_dim):
+def test_backward_large_logits_stay_finite(head_dim, make_qkv, check_grads):
     q, k, v = make_qkv(2, 300, 300, 4, 4, head_dim, torch.float16, scale=10.0)
     check_grads(q, k, v, True)
 
 
-def test_backward_softmax_scale_and_packed_qkv():
+def test_backward_softmax_scale_and_packed_qkv(reference_grads, assert_close_2x, require_support):
     require_support(torch.bfloat16)
     qkv = torch.randn(2, 257, 3, 4, 64, device="cuda", dtype=torch.bfloat16)
     dout = torch.randn(2, 257, 4, 64, device="cuda", dtype=torch.bfloat16)
@@ -92,7 +72,7 @@ def test_backward_softmax_scale_and_packed_qkv():
         assert_close_2x(name, leaf.grad[:, :, i], ref[i], pt[i])
 
 
-def test_backward_through_torch_compile():
+def test_backward_through_torch_compile(make_qkv):
     q, k, v = (t.requires_grad_() for t in make_qkv(2, 200, 200, 4, 4, 64, torch.float16))
 
     @torch.compile(fullgraph=True)
@@ -108,7 +88,7 @@ def test_backward_through_torch_compile():
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)  # dQ's atomic sum order may differ
 
 
-def test_lse_is_not_differentiable():
+def test_lse_is_not_differentiable(make_qkv):
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 16, 16, 2, 2, 64, torch.float16))
     out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
     assert out.requires_grad and not lse.requires_grad
@@ -117,7 +97,7 @@ def test_lse_is_not_differentiable():
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_deterministic_backward_is_bitwise_reproducible(head_dim, causal, dtype):
+def test_deterministic_backward_is_bitwise_reproducible(head_dim, causal, dtype, make_qkv):
     q, k, v = make_qkv(2, 777, 1031, 6, 2, head_dim, dtype)
     dout = torch.randn_like(q)
     runs = []
@@ -130,11 +110,12 @@ def test_deterministic_backward_is_bitwise_reproducible(head_dim, causal, dtype)
             assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (113, 203), (203, 113), (1025, 1025)])
-def test_deterministic_backward_accuracy(seqlen_q, seqlen_k, head_dim, causal, dtype):
+def test_deterministic_backward_accuracy(seqlen_q, seqlen_k, head_dim, causal, dtype, make_qkv, check_grads):
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
     check_grads(q, k, v, causal, fn=lambda *a, **kw: flash_attn_func(*a, deterministic=True, **kw))
 
@@ -144,11 +125,23 @@ def test_deterministic_backward_accuracy(seqlen_q, seqlen_k, head_dim, causal, d
 NO_KEY_SEQLENS = [(512, 256), (239, 1), (203, 113), (513, 127)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic-dq"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", NO_KEY_SEQLENS)
-def test_backward_rows_without_keys(seqlen_q, seqlen_k, head_dim, dtype, deterministic):
+def test_backward_rows_without_keys(
+    seqlen_q,
+    seqlen_k,
+    head_dim,
+    dtype,
+    deterministic,
+    make_qkv,
+    reference_grads,
+    assert_close_2x,
+    poison_cache,
+    require_head_dim,
+):
     """Every kernel head dim, both dQ paths: the gradients pass the 2x rule in each of three calls, dq is
     exactly 0 on the rows that see no key, and the deterministic path repeats bitwise."""
     require_head_dim(head_dim)
@@ -174,7 +167,7 @@ def test_backward_rows_without_keys(seqlen_q, seqlen_k, head_dim, dtype, determi
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_backward_single_key(head_dim, dtype):
+def test_backward_single_key(head_dim, dtype, make_qkv, reference_grads, assert_close_2x):
     q, k, v = make_qkv(2, *SINGLE_KEY, 3, 3, head_dim, dtype)
     dout = torch.randn_like(q)
     ref = reference_grads(q, k, v, dout, False, torch.float64)

@@ -17,6 +17,7 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(_lib, "_family_runs", lambda family, index: runs)
         monkeypatch.setattr(_lib, "_selected", {})
         monkeypatch.delenv(_lib.BACKEND_ENV, raising=False)
+
     return install
 
 

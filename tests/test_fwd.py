@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from cuteflash import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
-from helpers import assert_close_2x, poison_cache, references, require_support
 
 pytestmark = pytest.mark.gpu
 
@@ -13,33 +12,12 @@ HEAD_DIMS = [32, 40, 59, 64, 72, 96, 128, 160, 192, 224, 256]
 SEQLENS = [(1, 1), (17, 17), (113, 203), (203, 113), (1, 1025), (1025, 1), (1000, 1000), (1025, 1025), (4096, 4096)]
 
 
-def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, scale=1.0):
-    require_support(dtype)
-    g = torch.Generator(device="cuda").manual_seed(torch.randint(0, 2**31, ()).item())
-    q = torch.randn(batch, seqlen_q, nheads, head_dim, device="cuda", dtype=dtype, generator=g) * scale
-    k = torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=dtype, generator=g) * scale
-    v = torch.randn(batch, seqlen_k, nheads_k, head_dim, device="cuda", dtype=dtype, generator=g)
-    return q, k, v
-
-
-def run_and_check(q, k, v, causal, fn=flash_attn_func, args=None, softmax_scale=None):
-    (out_ref, lse_ref), (out_pt, lse_pt) = references(q, k, v, causal, softmax_scale)
-    poison_cache(out_ref, lse_ref)
-    out, lse, none = fn(*(args or (q, k, v)), causal=causal, softmax_scale=softmax_scale, return_attn_probs=True)
-    torch.cuda.synchronize()
-    assert none is None
-    assert out.dtype == q.dtype and out.shape == q.shape
-    assert lse.dtype == torch.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-    assert_close_2x("out", out, out_ref, out_pt)
-    assert_close_2x("lse", lse, lse_ref, lse_pt)
-    return out
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
-def test_forward(seqlen_q, seqlen_k, head_dim, causal, dtype):
+def test_forward(seqlen_q, seqlen_k, head_dim, causal, dtype, make_qkv, run_and_check):
     batch, nheads = (1, 2) if seqlen_q * seqlen_k > 2**20 else (2, 3)
     run_and_check(*make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads, head_dim, dtype), causal)
 
@@ -48,38 +26,38 @@ def test_forward(seqlen_q, seqlen_k, head_dim, causal, dtype):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nheads,nheads_k", [(6, 2), (6, 1), (8, 8)], ids=["gqa", "mqa", "mha"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(128, 128), (77, 300), (300, 77)])
-def test_gqa_mqa(seqlen_q, seqlen_k, nheads, nheads_k, causal, dtype):
+def test_gqa_mqa(seqlen_q, seqlen_k, nheads, nheads_k, causal, dtype, make_qkv, run_and_check):
     run_and_check(*make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, 64, dtype), causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_large_logits_stay_finite(head_dim, dtype):
+def test_large_logits_stay_finite(head_dim, dtype, make_qkv, run_and_check):
     # Scores of magnitude ~100 * sqrt(d): exp() overflows unless the running max is subtracted.
     run_and_check(*make_qkv(2, 513, 517, 4, 4, head_dim, dtype, scale=10.0), causal=True)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_softmax_scale(causal):
+def test_softmax_scale(causal, make_qkv, run_and_check):
     run_and_check(*make_qkv(2, 200, 300, 4, 4, 64, torch.float16), causal, softmax_scale=0.05)
 
 
 @pytest.mark.parametrize("head_dim", [64, 72])
-def test_qkvpacked_reads_in_place(head_dim):
+def test_qkvpacked_reads_in_place(head_dim, run_and_check, require_support):
     require_support(torch.float16)
     qkv = torch.randn(2, 333, 3, 4, head_dim, device="cuda", dtype=torch.float16)
     q, k, v = qkv.unbind(2)
     run_and_check(q, k, v, True, fn=flash_attn_qkvpacked_func, args=(qkv,))
 
 
-def test_kvpacked():
+def test_kvpacked(run_and_check, require_support):
     require_support(torch.bfloat16)
     q = torch.randn(2, 100, 6, 128, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(2, 150, 2, 3, 128, device="cuda", dtype=torch.bfloat16)
     run_and_check(q, kv[:, :, 0], kv[:, :, 1], False, fn=flash_attn_kvpacked_func, args=(q, kv))
 
 
-def test_strided_inputs():
+def test_strided_inputs(run_and_check):
     # (b, h, s, d) storage viewed as (b, s, h, d): last dim contiguous, other strides permuted.
     q, k, v = (torch.randn(2, 4, 257, 64, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in range(3))
     run_and_check(q, k, v, True)
@@ -96,7 +74,7 @@ def test_packed_slices_are_not_copied():
         assert _ops._kernel_operand(t) is t
 
 
-def test_causal_row_without_keys_is_zero():
+def test_causal_row_without_keys_is_zero(make_qkv):
     q, k, v = make_qkv(1, 40, 8, 2, 2, 64, torch.float16)
     out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert torch.equal(out[:, :32], torch.zeros_like(out[:, :32]))  # rows 0..31 see no key
@@ -104,7 +82,7 @@ def test_causal_row_without_keys_is_zero():
     assert torch.isfinite(out[:, 32:]).all() and out[:, 32:].abs().sum() > 0
 
 
-def test_runs_on_current_stream():
+def test_runs_on_current_stream(make_qkv):
     q, k, v = make_qkv(2, 1024, 1024, 8, 8, 128, torch.float16)
     expected = flash_attn_func(q, k, v)
     stream = torch.cuda.Stream()
@@ -116,7 +94,7 @@ def test_runs_on_current_stream():
     assert torch.equal(out, expected)
 
 
-def test_cuda_graph_capture():
+def test_cuda_graph_capture(make_qkv):
     q, k, v = make_qkv(2, 256, 256, 4, 4, 64, torch.float16)
     expected = flash_attn_func(q, k, v, causal=True)
     graph = torch.cuda.CUDAGraph()
@@ -134,7 +112,7 @@ def test_cuda_graph_capture():
     assert not torch.equal(out, expected)
 
 
-def test_torch_compile_fullgraph():
+def test_torch_compile_fullgraph(make_qkv):
     q, k, v = make_qkv(2, 200, 200, 4, 4, 72, torch.bfloat16)
 
     @torch.compile(fullgraph=True)
@@ -144,20 +122,20 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(f(q, k, v), flash_attn_func(q, k, v, causal=True) * 2, rtol=0, atol=0)
 
 
-def test_deterministic_across_runs():
+def test_deterministic_across_runs(make_qkv):
     q, k, v = make_qkv(2, 777, 777, 4, 4, 128, torch.float16)
     assert torch.equal(flash_attn_func(q, k, v), flash_attn_func(q, k, v))
 
 
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k", [(0, 16, 16), (2, 0, 16), (2, 16, 0)])
-def test_empty_sizes(batch, seqlen_q, seqlen_k):
+def test_empty_sizes(batch, seqlen_q, seqlen_k, make_qkv):
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, 2, 2, 64, torch.float16)
     out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
     assert out.shape == q.shape and lse.shape == (batch, 2, seqlen_q)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
 
 
-def test_view_at_an_odd_offset_is_copied_and_correct():
+def test_view_at_an_odd_offset_is_copied_and_correct(make_qkv, run_and_check, require_support):
     require_support(torch.float16)
     flat = torch.randn(2 * 100 * 4 * 64 + 1, device="cuda", dtype=torch.float16)
     q = flat[1:].view(2, 100, 4, 64)  # contiguous, but 2 bytes past an aligned address
@@ -165,7 +143,7 @@ def test_view_at_an_odd_offset_is_copied_and_correct():
     run_and_check(q, k, v, True)
 
 
-def test_row_stride_beyond_32_bit_block_offsets_is_copied_and_correct():
+def test_row_stride_beyond_32_bit_block_offsets_is_copied_and_correct(make_qkv, run_and_check, require_support):
     # The kernels index inside a block of rows with 32-bit offsets; a larger row stride is copied first.
     from cuteflash import _ops
 

@@ -24,7 +24,7 @@ def elf_needed(path):
     """DT_NEEDED entries of a 64-bit little-endian ELF shared object."""
     data = Path(path).read_bytes()
     assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, "not a 64-bit little-endian ELF file"
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
     needed = []
@@ -38,7 +38,7 @@ def elf_needed(path):
                 break
             if tag == 1:  # DT_NEEDED
                 end = data.index(b"\0", strtab_offset + val)
-                needed.append(data[strtab_offset + val:end].decode())
+                needed.append(data[strtab_offset + val : end].decode())
     return needed
 
 
@@ -68,8 +68,9 @@ def test_build_info_describes_the_build():
 def test_fresh_interpreter_imports_and_reports():
     # Loading the extension before torch once crashed torch's import; a fresh process checks the order.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-m", "cuteflash.info"], capture_output=True, text=True, env=env,
-                       cwd=ROOT.parent)
+    r = subprocess.run(
+        [sys.executable, "-m", "cuteflash.info"], capture_output=True, text=True, env=env, cwd=ROOT.parent
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("cuteflash ")
 

@@ -9,8 +9,6 @@ from cuteflash import flash_attn_func
 from cuteflash._lib import select_family
 from cuteflash._ops import SM70_CORRECTION_ENV
 from cuteflash.reference import attention_ref
-from helpers import assert_close_2x, max_err
-from test_bwd import reference_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +43,7 @@ def rounding_floor(ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("seqlen,logit_scale,dout_scale", [(8192, 1.5, 1e-3), (16384, 1.0, 1e-4)])
-def test_backward_correction_halves_the_error(seqlen, logit_scale, dout_scale, monkeypatch):
+def test_backward_correction_halves_the_error(seqlen, logit_scale, dout_scale, monkeypatch, reference_grads, max_err):
     q, k, v, dout = stress_case(seqlen, 64, logit_scale, dout_scale)
     ref = reference_grads(q, k, v, dout, True, torch.float64)
     pt = reference_grads(q, k, v, dout, True, torch.float16)
@@ -55,9 +53,13 @@ def test_backward_correction_halves_the_error(seqlen, logit_scale, dout_scale, m
     errs = {}
     for name, c, u, r, p in zip(("dq", "dk", "dv"), corrected, plain, ref, pt):
         errs[name] = (max_err(c, r), max_err(u, r), max_err(p, r), rounding_floor(r))
-    print(f"\nseqlen {seqlen}, logits x{logit_scale}, dout x{dout_scale}: " + "; ".join(
-        f"{n}: corrected {c:.3e}, plain fp16 {u:.3e}, PyTorch fp16 {p:.3e}, fp16 rounding {f:.3e}"
-        for n, (c, u, p, f) in errs.items()))
+    print(
+        f"\nseqlen {seqlen}, logits x{logit_scale}, dout x{dout_scale}: "
+        + "; ".join(
+            f"{n}: corrected {c:.3e}, plain fp16 {u:.3e}, PyTorch fp16 {p:.3e}, fp16 rounding {f:.3e}"
+            for n, (c, u, p, f) in errs.items()
+        )
+    )
     for name, (err_c, err_u, err_pt, floor) in errs.items():
         assert err_c <= 2 * err_pt + 1e-5, name
         # Half the plain kernel's error, unless both are within the rounding of the output to fp16 (dv
@@ -86,7 +88,7 @@ def collapsing_case(kind):
 
 @pytest.mark.parametrize("kind", ["dout", "probs"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_gradients_collapsing_between_blocks(kind, deterministic):
+def test_backward_gradients_collapsing_between_blocks(kind, deterministic, reference_grads, assert_close_2x):
     """The backward keeps dK (and the deterministic dQ) in units of dS's scale, raised when a step's dS
     is much smaller than the previous ones': it must stay exact and finite, also where the raise is
     capped (the sums would near fp32's range)."""
@@ -100,7 +102,7 @@ def test_backward_gradients_collapsing_between_blocks(kind, deterministic):
         assert_close_2x(name, leaf.grad, r, p)
 
 
-def test_forward_correction_is_not_worse(monkeypatch):
+def test_forward_correction_is_not_worse(monkeypatch, max_err):
     q, k, v, _ = stress_case(16384, 128, 0.25, 1.0)  # near-uniform rows: P ~ 1/seqlen
     out_ref, _ = attention_ref(q, k, v, causal=True, compute_dtype=torch.float64)
     out_pt, _ = attention_ref(q, k, v, causal=True, compute_dtype=torch.float16)
@@ -108,7 +110,9 @@ def test_forward_correction_is_not_worse(monkeypatch):
     monkeypatch.setenv(SM70_CORRECTION_ENV, "0")
     plain = flash_attn_func(q, k, v, causal=True)
     err_c, err_u, err_pt = max_err(corrected, out_ref), max_err(plain, out_ref), max_err(out_pt, out_ref)
-    print(f"\nforward, seqlen 16384, near-uniform: corrected {err_c:.3e}, plain fp16 {err_u:.3e}, "
-          f"PyTorch fp16 {err_pt:.3e}")
+    print(
+        f"\nforward, seqlen 16384, near-uniform: corrected {err_c:.3e}, plain fp16 {err_u:.3e}, "
+        f"PyTorch fp16 {err_pt:.3e}"
+    )
     assert err_c <= 2 * err_pt + 1e-5
     assert err_c <= err_u

@@ -7,9 +7,6 @@ import torch
 
 from cuteflash import flash_attn_func
 from cuteflash._lib import select_family
-from helpers import require_support
-from test_bwd import check_grads
-from test_fwd import make_qkv, run_and_check
 
 pytestmark = pytest.mark.gpu
 
@@ -33,14 +30,14 @@ def limit(request, monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 160, 192, 224, 256])
-def test_forward(limit, head_dim, causal):
+def test_forward(limit, head_dim, causal, make_qkv, run_and_check):
     run_and_check(*make_qkv(2, 300, 257, 4, 2, head_dim, torch.float16), causal)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 160, 192, 224, 256])
-def test_backward(limit, head_dim, causal, deterministic):
+def test_backward(limit, head_dim, causal, deterministic, make_qkv, check_grads, require_support):
     require_support(torch.float16, backward=True)
     family, smem = limit
     q, k, v = make_qkv(2, 300, 257, 4, 2, head_dim, torch.float16)

@@ -8,8 +8,11 @@ from cuteflash import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvp
 
 
 def qkv(b=2, sq=16, sk=16, h=4, hk=4, d=64, dtype=torch.float16, device="cpu"):
-    return (torch.randn(b, sq, h, d, dtype=dtype, device=device), torch.randn(b, sk, hk, d, dtype=dtype, device=device),
-            torch.randn(b, sk, hk, d, dtype=dtype, device=device))
+    return (
+        torch.randn(b, sq, h, d, dtype=dtype, device=device),
+        torch.randn(b, sk, hk, d, dtype=dtype, device=device),
+        torch.randn(b, sk, hk, d, dtype=dtype, device=device),
+    )
 
 
 def test_cpu_tensors_are_refused_with_the_fix():
@@ -41,26 +44,32 @@ def test_not_a_tensor():
         flash_attn_func(q, k.numpy(), v)
 
 
-@pytest.mark.parametrize("shapes,message", [
-    (((2, 16, 4, 64), (2, 16, 4), (2, 16, 4, 64)), "k must have 4 dimensions"),
-    (((2, 16, 4, 64), (2, 16, 4, 64), (2, 17, 4, 64)), "same shape"),
-    (((2, 16, 4, 64), (3, 16, 4, 64), (3, 16, 4, 64)), "batch"),
-    (((2, 16, 4, 64), (2, 16, 4, 32), (2, 16, 4, 32)), "head dim 64 but k and v have 32"),
-    (((2, 16, 4, 300), (2, 16, 4, 300), (2, 16, 4, 300)), "head dim 300 is not supported"),
-    (((2, 16, 6, 64), (2, 16, 4, 64), (2, 16, 4, 64)), "multiple of the number of key/value heads"),
-])
+@pytest.mark.parametrize(
+    "shapes,message",
+    [
+        (((2, 16, 4, 64), (2, 16, 4), (2, 16, 4, 64)), "k must have 4 dimensions"),
+        (((2, 16, 4, 64), (2, 16, 4, 64), (2, 17, 4, 64)), "same shape"),
+        (((2, 16, 4, 64), (3, 16, 4, 64), (3, 16, 4, 64)), "batch"),
+        (((2, 16, 4, 64), (2, 16, 4, 32), (2, 16, 4, 32)), "head dim 64 but k and v have 32"),
+        (((2, 16, 4, 300), (2, 16, 4, 300), (2, 16, 4, 300)), "head dim 300 is not supported"),
+        (((2, 16, 6, 64), (2, 16, 4, 64), (2, 16, 4, 64)), "multiple of the number of key/value heads"),
+    ],
+)
 def test_inconsistent_shapes(shapes, message):
     q, k, v = (torch.randn(s, dtype=torch.float16) for s in shapes)
     with pytest.raises(ValueError, match=message):
         flash_attn_func(q, k, v)
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    ({"dropout_p": 0.1}, "dropout_p"),
-    ({"window_size": (128, 0)}, "window_size"),
-    ({"softcap": 30.0}, "softcap"),
-    ({"alibi_slopes": torch.ones(4)}, "alibi_slopes"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"dropout_p": 0.1}, "dropout_p"),
+        ({"window_size": (128, 0)}, "window_size"),
+        ({"softcap": 30.0}, "softcap"),
+        ({"alibi_slopes": torch.ones(4)}, "alibi_slopes"),
+    ],
+)
 def test_unimplemented_arguments_name_themselves(kwargs, name):
     with pytest.raises(NotImplementedError, match=name):
         flash_attn_func(*qkv(), **kwargs)
@@ -76,8 +85,9 @@ def test_packed_shapes():
     with pytest.raises(ValueError, match=r"qkv must have shape \(batch, seqlen, 3"):
         flash_attn_qkvpacked_func(torch.randn(2, 16, 2, 4, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"kv must have shape \(batch, seqlen_k, 2"):
-        flash_attn_kvpacked_func(torch.randn(2, 16, 4, 64, dtype=torch.float16),
-                                 torch.randn(2, 16, 3, 4, 64, dtype=torch.float16))
+        flash_attn_kvpacked_func(
+            torch.randn(2, 16, 4, 64, dtype=torch.float16), torch.randn(2, 16, 3, 4, 64, dtype=torch.float16)
+        )
 
 
 def test_exports_mirror_flash_attn():
@@ -90,25 +100,47 @@ def call_c(**overrides):
     from cuteflash import _lib
 
     C = _lib.compiled_module()
-    args = dict(family="sm80", dtype=0, q=256, k=512, v=768, out=1024, lse=2048, q_strides=(64, 64, 64),
-                k_strides=(64, 64, 64), v_strides=(64, 64, 64), out_strides=(64, 64, 64), batch=1, nheads=1,
-                nheads_k=1, seqlen_q=1, seqlen_k=1, head_dim=64, softmax_scale=0.125, causal=False, fp16_correction=True,
-                stream=0)
+    args = dict(
+        family="sm80",
+        dtype=0,
+        q=256,
+        k=512,
+        v=768,
+        out=1024,
+        lse=2048,
+        q_strides=(64, 64, 64),
+        k_strides=(64, 64, 64),
+        v_strides=(64, 64, 64),
+        out_strides=(64, 64, 64),
+        batch=1,
+        nheads=1,
+        nheads_k=1,
+        seqlen_q=1,
+        seqlen_k=1,
+        head_dim=64,
+        softmax_scale=0.125,
+        causal=False,
+        fp16_correction=True,
+        stream=0,
+    )
     args.update(overrides)
     C.fwd(**args)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    ({"family": "sm60"}, "unknown kernel family"),
-    ({"dtype": 7}, "unknown dtype"),
-    ({"head_dim": 12}, "multiple of 8"),
-    ({"head_dim": 264}, "at most 256"),
-    ({"nheads": 6, "nheads_k": 4}, "multiple of nheads_k"),
-    ({"q": 0}, "q is a null pointer"),
-    ({"k": 520}, "k must be 16-byte aligned"),
-    ({"v_strides": (64, 60, 64)}, "v strides"),
-    ({"softmax_scale": -1.0}, "softmax_scale"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"family": "sm60"}, "unknown kernel family"),
+        ({"dtype": 7}, "unknown dtype"),
+        ({"head_dim": 12}, "multiple of 8"),
+        ({"head_dim": 264}, "at most 256"),
+        ({"nheads": 6, "nheads_k": 4}, "multiple of nheads_k"),
+        ({"q": 0}, "q is a null pointer"),
+        ({"k": 520}, "k must be 16-byte aligned"),
+        ({"v_strides": (64, 60, 64)}, "v strides"),
+        ({"softmax_scale": -1.0}, "softmax_scale"),
+    ],
+)
 def test_extension_rechecks_raw_arguments(overrides, message):
     pytest.importorskip("cuteflash._C")
     with pytest.raises(ValueError, match=message):

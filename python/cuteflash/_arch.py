@@ -112,9 +112,7 @@ def family_of(cc: int) -> str:
         return "sm70"
     if cc >= 80:
         return "sm80"
-    raise ArchError(
-        f"compute capability {cc // 10}.{cc % 10} is not supported: cuteflash needs Volta (7.0) or newer"
-    )
+    raise ArchError(f"compute capability {cc // 10}.{cc % 10} is not supported: cuteflash needs Volta (7.0) or newer")
 
 
 _ENTRY = re.compile(r"^(\d+)\.(\d)([af]?)(\+PTX)?$")
@@ -165,9 +163,7 @@ def check_toolkit(target: Target, cuda: tuple[int, int] | None) -> None:
                 "Volta. Install CUDA 12.9 or older and point CUDACXX at its nvcc, or remove 7.0/7.2 "
                 "from TORCH_CUDA_ARCH_LIST."
             )
-        raise ArchError(
-            f"compute capability {target} needs CUDA {last[0]}.{last[1]} or older; found CUDA {v}"
-        )
+        raise ArchError(f"compute capability {target} needs CUDA {last[0]}.{last[1]} or older; found CUDA {v}")
     if cuda < first:
         raise ArchError(
             f"compute capability {target} needs CUDA {first[0]}.{first[1]} or newer; found CUDA {v}. "
@@ -212,7 +208,10 @@ def visible_gpu_arch_list() -> str:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
@@ -245,8 +244,8 @@ def _cmake_main(args: argparse.Namespace) -> int:
     for family in FAMILIES:
         targets = sel.targets[family]
         items = [item for t in targets for item in t.cmake()]
-        print(f"set(CUTEFLASH_{family.upper()}_ARCHS \"{';'.join(items)}\")")
-        print(f"set(CUTEFLASH_{family.upper()}_TARGETS \"{' '.join(str(t) for t in targets)}\")")
+        print(f'set(CUTEFLASH_{family.upper()}_ARCHS "{";".join(items)}")')
+        print(f'set(CUTEFLASH_{family.upper()}_TARGETS "{" ".join(str(t) for t in targets)}")')
     return 0
 
 
@@ -261,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmake:
         return _cmake_main(args)
     try:
-        sel = parse(args.arch_list or default_arch_list(_parse_version(args.cuda_version)),
-                    _parse_version(args.cuda_version))
+        sel = parse(
+            args.arch_list or default_arch_list(_parse_version(args.cuda_version)), _parse_version(args.cuda_version)
+        )
     except ArchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

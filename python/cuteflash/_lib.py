@@ -41,7 +41,7 @@ def compiled_module():
     return _C
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build_info() -> dict:
     """What this build of cuteflash holds.
 

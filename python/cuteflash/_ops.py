@@ -49,8 +49,9 @@ def _fp16_correction(family: str) -> bool:
     return family != "sm70" or os.environ.get(SM70_CORRECTION_ENV, "1") != "0"
 
 
-def fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fwd_impl(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: returns out (b, s_q, h, d) and the fp32 log-sum-exp (b, h, s_q)."""
     family = select_family(q.device)
     if family == "sm70" and q.dtype == torch.bfloat16:
@@ -62,17 +63,37 @@ def fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: f
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if seqlen_k == 0:  # no key at all: every row is empty (and k, v have no memory to point at)
         return out.zero_(), lse.fill_(float("inf"))
-    args = (family, _DTYPE_CODES[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-            _strides(q), _strides(k), _strides(v), _strides(out), batch, nheads, nheads_k, seqlen_q, seqlen_k,
-            head_dim, softmax_scale, causal, _fp16_correction(family),
-            torch.cuda.current_stream(q.device).cuda_stream)
+    args = (
+        family,
+        _DTYPE_CODES[q.dtype],
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        _strides(q),
+        _strides(k),
+        _strides(v),
+        _strides(out),
+        batch,
+        nheads,
+        nheads_k,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        softmax_scale,
+        causal,
+        _fp16_correction(family),
+        torch.cuda.current_stream(q.device).cuda_stream,
+    )
     _launch(q.device, compiled_module().fwd, *args)
     return out, lse
 
 
 @torch.library.custom_op("cuteflash::fwd", mutates_args=(), device_types="cuda")
-def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel as an operator that torch.compile and autograd see (`deterministic` is kept
     for the backward pass)."""
     return fwd_impl(q, k, v, softmax_scale, causal)
@@ -81,8 +102,9 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
 def forward(q, k, v, softmax_scale: float, causal: bool, deterministic: bool):
     """The op under torch.compile or when a gradient is wanted; otherwise the implementation directly,
     which skips the dispatcher's cost per call."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                      or v.requires_grad)):
+    if torch.compiler.is_compiling() or (
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    ):
         return fwd(q, k, v, softmax_scale, causal, deterministic)
     return fwd_impl(q, k, v, softmax_scale, causal)
 
@@ -94,8 +116,17 @@ def _(q, k, v, softmax_scale, causal, deterministic):
 
 
 @torch.library.custom_op("cuteflash::bwd", mutates_args=(), device_types="cuda")
-def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-        softmax_scale: float, causal: bool, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: dq, dk, dv from dout and what the forward pass saved. With deterministic,
     dQ comes from a second kernel instead of fp32 atomics: bitwise reproducible, and slower."""
     family = select_family(q.device)
@@ -128,12 +159,40 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     dk = torch.empty((batch, seqlen_k, nheads, head_dim), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     if batch and seqlen_q and seqlen_k:
-        args = (family, _DTYPE_CODES[q.dtype], dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                out.data_ptr(), lse.data_ptr(), dq.data_ptr(), dq_accum.data_ptr(), d_rowsum.data_ptr(),
-                dk.data_ptr(), dv.data_ptr(), _strides(dout), _strides(q), _strides(k), _strides(v), _strides(out),
-                _strides(dq), _strides(dk), _strides(dv), batch, nheads, nheads_k, seqlen_q,
-                seqlen_k, head_dim, softmax_scale, causal, _fp16_correction(family), separate_dq,
-                torch.cuda.current_stream(q.device).cuda_stream)
+        args = (
+            family,
+            _DTYPE_CODES[q.dtype],
+            dout.data_ptr(),
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            out.data_ptr(),
+            lse.data_ptr(),
+            dq.data_ptr(),
+            dq_accum.data_ptr(),
+            d_rowsum.data_ptr(),
+            dk.data_ptr(),
+            dv.data_ptr(),
+            _strides(dout),
+            _strides(q),
+            _strides(k),
+            _strides(v),
+            _strides(out),
+            _strides(dq),
+            _strides(dk),
+            _strides(dv),
+            batch,
+            nheads,
+            nheads_k,
+            seqlen_q,
+            seqlen_k,
+            head_dim,
+            softmax_scale,
+            causal,
+            _fp16_correction(family),
+            separate_dq,
+            torch.cuda.current_stream(q.device).cuda_stream,
+        )
         _launch(q.device, compiled_module().bwd, *args)
     else:  # no query or no key: every gradient is zero
         dk.zero_()

@@ -20,9 +20,18 @@ from dataclasses import asdict, dataclass, field
 # (batch, heads, seqlen, headdim)
 SUITES = {
     # small, medium, large, and very large head dims
-    "default": [(1, 1, 16, 16), (1, 1, 128, 64), (1, 1, 256, 256), (1, 16, 1024, 64), (1, 32, 1024, 128),
-                (1, 32, 2048, 128), (1, 32, 4096, 128), (1, 16, 1024, 256), (1, 32, 4096, 256)],
-    # the shapes of the peer figures measured on the H200 (shared/baselines-h200.md)
+    "default": [
+        (1, 1, 16, 16),
+        (1, 1, 128, 64),
+        (1, 1, 256, 256),
+        (1, 16, 1024, 64),
+        (1, 32, 1024, 128),
+        (1, 32, 2048, 128),
+        (1, 32, 4096, 128),
+        (1, 16, 1024, 256),
+        (1, 32, 4096, 256),
+    ],
+    # shapes that fill a large GPU (16k tokens or more per call): the kernels decide the speed, not the host
     "baselines": [(16, 16, 1024, 64), (8, 16, 2048, 64), (4, 16, 4096, 128), (2, 16, 8192, 128), (1, 32, 4096, 256)],
 }
 QUICK_SHAPES = [(1, 4, 256, 64), (1, 16, 1024, 128)]
@@ -62,6 +71,7 @@ class Result:
     def speedup(self, direction: str, over: str) -> float | None:
         """How many times faster cuteflash is than `over` ('math', or 'best' of the fast SDPA backends);
         direction 'total' is forward plus backward."""
+
         def ms(impl, d):
             return self.ms.get(d, {}).get(impl)
 
@@ -82,24 +92,38 @@ class Result:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cuteflash.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m cuteflash.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--suite", choices=list(SUITES), default="default", help="the shapes to run (default: %(default)s)")
-    p.add_argument("--dtype", choices=["fp16", "bf16"], action="append",
-                   help="repeatable; default fp16 (and bf16 where the GPU has it)")
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
-                   help="only causal (--causal) or only full (--no-causal) attention; default both")
+    p.add_argument(
+        "--dtype",
+        choices=["fp16", "bf16"],
+        action="append",
+        help="repeatable; default fp16 (and bf16 where the GPU has it)",
+    )
+    p.add_argument(
+        "--causal",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="only causal (--causal) or only full (--no-causal) attention; default both",
+    )
     p.add_argument("--headdim", type=int, action="append", help="repeatable; default: the suite's")
     p.add_argument("--seqlen", type=int, action="append", help="repeatable; default: the suite's")
     p.add_argument("--batch", type=int, help="default: the suite's")
     p.add_argument("--heads", type=int, help="default: the suite's")
     p.add_argument("--forward-only", action="store_true", help="check and time the forward pass only")
-    p.add_argument("--deterministic", action="store_true",
-                   help="cuteflash's deterministic backward pass (dQ without atomics)")
+    p.add_argument(
+        "--deterministic", action="store_true", help="cuteflash's deterministic backward pass (dQ without atomics)"
+    )
     p.add_argument("--backend", choices=["auto", "sm70", "sm80"], default="auto", help="cuteflash kernel family")
-    p.add_argument("--layout", choices=["native", "bshd", "bhsd"], default="native",
-                   help="memory of the inputs: native (cuteflash reads contiguous (b, s, h, d) as flash-attn, "
-                        "SDPA contiguous (b, h, s, d)), or the same memory for all: bshd or bhsd")
+    p.add_argument(
+        "--layout",
+        choices=["native", "bshd", "bhsd"],
+        default="native",
+        help="memory of the inputs: native (cuteflash reads contiguous (b, s, h, d) as flash-attn, "
+        "SDPA contiguous (b, h, s, d)), or the same memory for all: bshd or bhsd",
+    )
     p.add_argument("--repeats", type=int, default=30, help="timed batches per measurement (median reported)")
     p.add_argument("--quick", action="store_true", help="two small shapes, fp16: a smoke test")
     p.add_argument("--no-check", action="store_true", help="skip the correctness checks")
@@ -125,8 +149,11 @@ def build_cases(args, bf16_ok: bool, head_dims_ok=None) -> list[Case]:
     if args.headdim or args.seqlen or args.batch or args.heads:
         head_dims = args.headdim or sorted({s[3] for s in shapes})
         seqlens = args.seqlen or sorted({s[2] for s in shapes})
-        shapes = [(args.batch or max(1, 16384 // s), args.heads or (32 if d >= 256 else 16), s, d)
-                  for s in seqlens for d in head_dims]
+        shapes = [
+            (args.batch or max(1, 16384 // s), args.heads or (32 if d >= 256 else 16), s, d)
+            for s in seqlens
+            for d in head_dims
+        ]
     if head_dims_ok is not None:
         shapes = [s for s in shapes if kernel_head_dim(s[3], head_dims_ok)]
     return [Case(b, h, s, s, d, c, dt) for dt in dtypes for (b, h, s, d) in shapes for c in causals]
@@ -191,8 +218,12 @@ def _implementations(case: Case, args):
     def sdpa_fwd(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
 
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    backends = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
     impls = {"cuteflash": (contextlib.nullcontext, cuteflash_fwd)}
     impls.update({name: (lambda b=b: sdpa_kernel(b), sdpa_fwd) for name, b in backends.items()})
     return impls
@@ -220,8 +251,9 @@ def _check(case: Case, q, k, v, args, res: Result) -> None:
     out = flash_attn_func(*leaves, causal=case.causal, deterministic=args.deterministic)
     grads = [] if args.forward_only else torch.autograd.grad(out, leaves, dout)
     ok = True
-    for name, mine, ref, pt in zip(("out", "dq", "dk", "dv"), [out.detach(), *grads], outputs["ref"],
-                                   outputs["pytorch"]):
+    for name, mine, ref, pt in zip(
+        ("out", "dq", "dk", "dv"), [out.detach(), *grads], outputs["ref"], outputs["pytorch"]
+    ):
         res.max_err[name] = (mine.double() - ref).abs().max().item()
         res.pytorch_err[name] = (pt.double() - ref).abs().max().item()
         ok = ok and res.max_err[name] <= 2 * res.pytorch_err[name] + 1e-5
@@ -255,8 +287,9 @@ def run_case(case: Case, args) -> Result:
     bytes_per_set = 2 * (2 * math.prod(shape_q) + 2 * math.prod(shape_k))
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     n_sets = max(1, min(8, math.ceil(3 * l2 / bytes_per_set)))
-    sets = [tuple(torch.randn(s, device="cuda", dtype=dtype) for s in (shape_q, shape_k, shape_k))
-            for _ in range(n_sets)]
+    sets = [
+        tuple(torch.randn(s, device="cuda", dtype=dtype) for s in (shape_q, shape_k, shape_k)) for _ in range(n_sets)
+    ]
     # cuteflash takes (b, s, h, d) views and SDPA (b, h, s, d) views; `layout` says which memory is
     # contiguous under them (native: each its own).
     sets_t = [tuple(t.transpose(1, 2) for t in qkv) for qkv in sets]
@@ -291,8 +324,10 @@ def run_case(case: Case, args) -> Result:
             fns = []
             try:
                 with context():
-                    fns = [(lambda qkv=qkv: fwd(*qkv)) if direction == "fwd" else _backward_call(fwd, qkv)
-                           for qkv in inputs]
+                    fns = [
+                        (lambda qkv=qkv, fwd=fwd: fwd(*qkv)) if direction == "fwd" else _backward_call(fwd, qkv)
+                        for qkv in inputs
+                    ]
                     ms = _time_ms(fns, args.repeats)
                 res.ms[direction][name] = ms
                 res.tflops[direction][name] = case.flops(direction) / (ms * 1e-3) / 1e12
@@ -330,9 +365,19 @@ def summary_table(results: list[Result]) -> list[list[str]]:
         mem = r.peak_mib
         saving = f"{mem['math'] / mem['cuteflash']:.1f}" if mem.get("math") and mem.get("cuteflash") else "-"
         check = {True: "ok", False: "FAIL", None: "-"}[r.correct]
-        rows.append([_shape(r.case), check, saving, _x(r.speedup("fwd", "math")), _x(r.speedup("fwd", "best")),
-                     _x(r.speedup("bwd", "math")), _x(r.speedup("bwd", "best")), _x(r.speedup("total", "best")),
-                     r.best_backend() or "-"])
+        rows.append(
+            [
+                _shape(r.case),
+                check,
+                saving,
+                _x(r.speedup("fwd", "math")),
+                _x(r.speedup("fwd", "best")),
+                _x(r.speedup("bwd", "math")),
+                _x(r.speedup("bwd", "best")),
+                _x(r.speedup("total", "best")),
+                r.best_backend() or "-",
+            ]
+        )
     return rows
 
 
@@ -344,9 +389,14 @@ def format_rows(title: str, rows: list[list[str]]) -> str:
 
 
 def print_tables(results: list[Result]) -> None:
-    tables = [("TFLOP/s (math: plain PyTorch attention)", tflops_table(results)),
-              ("cuteflash against PyTorch. mem /: plain PyTorch's peak memory over cuteflash's; xPT: times "
-               "faster than plain PyTorch; xSDPA: than the fastest SDPA backend", summary_table(results))]
+    tables = [
+        ("TFLOP/s (math: plain PyTorch attention)", tflops_table(results)),
+        (
+            "cuteflash against PyTorch. mem /: plain PyTorch's peak memory over cuteflash's; xPT: times "
+            "faster than plain PyTorch; xSDPA: than the fastest SDPA backend",
+            summary_table(results),
+        ),
+    ]
     try:
         from rich.console import Console
         from rich.table import Table
@@ -374,8 +424,11 @@ def verdict(results: list[Result]) -> str:
         if ratios:
             geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
             parts.append(f"{'forward' if d == 'fwd' else 'backward'} {geo:.2f}x PyTorch's flash backend")
-    savings = [r.peak_mib["math"] / r.peak_mib["cuteflash"] for r in results
-               if r.peak_mib.get("math") and r.peak_mib.get("cuteflash")]
+    savings = [
+        r.peak_mib["math"] / r.peak_mib["cuteflash"]
+        for r in results
+        if r.peak_mib.get("math") and r.peak_mib.get("cuteflash")
+    ]
     if savings:
         parts.append(f"up to {max(savings):.0f}x less memory than plain PyTorch")
     return "verdict: " + "; ".join(parts) + " (geometric means)"
@@ -412,13 +465,38 @@ def write_outputs(results: list[Result], args, device: dict) -> None:
 
         with open(args.csv, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["dtype", "batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "causal", "correct",
-                        "cuteflash_peak_mib", "math_peak_mib"] + [f"{n}_{d}_tflops" for d in DIRECTIONS for n in IMPLS])
+            w.writerow(
+                [
+                    "dtype",
+                    "batch",
+                    "heads",
+                    "seqlen_q",
+                    "seqlen_k",
+                    "head_dim",
+                    "causal",
+                    "correct",
+                    "cuteflash_peak_mib",
+                    "math_peak_mib",
+                ]
+                + [f"{n}_{d}_tflops" for d in DIRECTIONS for n in IMPLS]
+            )
             for r in results:
                 c = r.case
-                w.writerow([c.dtype, c.batch, c.heads, c.seqlen_q, c.seqlen_k, c.head_dim, c.causal, r.correct,
-                            r.peak_mib.get("cuteflash"), r.peak_mib.get("math")]
-                           + [r.tflops.get(d, {}).get(n) for d in DIRECTIONS for n in IMPLS])
+                w.writerow(
+                    [
+                        c.dtype,
+                        c.batch,
+                        c.heads,
+                        c.seqlen_q,
+                        c.seqlen_k,
+                        c.head_dim,
+                        c.causal,
+                        r.correct,
+                        r.peak_mib.get("cuteflash"),
+                        r.peak_mib.get("math"),
+                    ]
+                    + [r.tflops.get(d, {}).get(n) for d in DIRECTIONS for n in IMPLS]
+                )
 
 
 def _progress(items, total: int):
@@ -464,14 +542,22 @@ def main(argv=None) -> int:
         return 2
     built = build_info()["families"][family]
     cc = torch.cuda.get_device_capability()
-    device = {"name": torch.cuda.get_device_name(), "capability": f"{cc[0]}.{cc[1]}", "family": family,
-              "torch": torch.__version__}
-    print(f"{device['name']} (compute capability {device['capability']}), cuteflash {family} kernels, "
-          f"torch {torch.__version__}", flush=True)
+    device = {
+        "name": torch.cuda.get_device_name(),
+        "capability": f"{cc[0]}.{cc[1]}",
+        "family": family,
+        "torch": torch.__version__,
+    }
+    print(
+        f"{device['name']} (compute capability {device['capability']}), cuteflash {family} kernels, "
+        f"torch {torch.__version__}",
+        flush=True,
+    )
     if "bwd" not in built["directions"]:
         args.forward_only = True
-    cases = build_cases(args, bf16_ok=family == "sm80" and "bfloat16" in built["dtypes"],
-                        head_dims_ok=built["head_dims"])
+    cases = build_cases(
+        args, bf16_ok=family == "sm80" and "bfloat16" in built["dtypes"], head_dims_ok=built["head_dims"]
+    )
     if not cases:
         print("cuteflash.bench: this build serves none of the requested head dims", file=sys.stderr)
         return 2

@@ -16,9 +16,11 @@ def describe() -> str:
         return "\n".join(lines + [f"compiled module: not available ({e})"])
     lines.append(f"built with CUDA {info['cuda_version']}")
     for family, entry in info["families"].items():
-        lines.append(f"family {family}: targets {' '.join(entry['targets'])}; "
-                     f"{', '.join(entry['directions']) or 'no kernels'}; dtypes {', '.join(entry['dtypes']) or '-'}; "
-                     f"head dims {', '.join(map(str, entry['head_dims'])) or '-'}")
+        lines.append(
+            f"family {family}: targets {' '.join(entry['targets'])}; "
+            f"{', '.join(entry['directions']) or 'no kernels'}; dtypes {', '.join(entry['dtypes']) or '-'}; "
+            f"head dims {', '.join(map(str, entry['head_dims'])) or '-'}"
+        )
     try:
         import torch
     except ImportError:

@@ -24,7 +24,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, compute_dtype=torch
     own error in that dtype, the yardstick of the tests.
     """
     head_dim = q.shape[-1]
-    scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
     q, k, v = (t.to(compute_dtype) for t in (q, k, v))
     groups = q.shape[2] // k.shape[2]
     if groups > 1:
