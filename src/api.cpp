@@ -112,17 +112,17 @@ void fwd(std::string const& family_name, int dtype_code, uintptr_t q, uintptr_t 
                        nheads, nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, causal, fp16_correction)) {
     return;
   }
-  FwdFn launch = require_kernel(find_fwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family,
-                                family_name, "forward", head_dim);
+  FwdFn launch = require_kernel(find_fwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family, family_name,
+                                "forward", head_dim);
   launch(p, reinterpret_cast<cudaStream_t>(stream));
 }
 
 void bwd(std::string const& family_name, int dtype_code, uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v,
-         uintptr_t out, uintptr_t lse, uintptr_t dq, uintptr_t dq_accum, uintptr_t d_rowsum, uintptr_t dk,
-         uintptr_t dv, Strides dout_strides, Strides q_strides, Strides k_strides, Strides v_strides,
-         Strides out_strides, Strides dq_strides, Strides dk_strides, Strides dv_strides,
-         int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale,
-         bool causal, bool fp16_correction, bool deterministic, uintptr_t stream) {
+         uintptr_t out, uintptr_t lse, uintptr_t dq, uintptr_t dq_accum, uintptr_t d_rowsum, uintptr_t dk, uintptr_t dv,
+         Strides dout_strides, Strides q_strides, Strides k_strides, Strides v_strides, Strides out_strides,
+         Strides dq_strides, Strides dk_strides, Strides dv_strides, int batch, int nheads, int nheads_k, int seqlen_q,
+         int seqlen_k, int head_dim, float softmax_scale, bool causal, bool fp16_correction, bool deterministic,
+         uintptr_t stream) {
   Family family = parse_family(family_name);
   BwdParams p{};
   if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, batch,
@@ -150,8 +150,8 @@ void bwd(std::string const& family_name, int dtype_code, uintptr_t dout, uintptr
   set_strides(dk_strides, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
   set_strides(dv_strides, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
   set_strides(dq_strides, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
-  BwdFn launch = require_kernel(find_bwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family,
-                                family_name, "backward", head_dim);
+  BwdFn launch = require_kernel(find_bwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family, family_name,
+                                "backward", head_dim);
   launch(p, reinterpret_cast<cudaStream_t>(stream));
 }
 
@@ -183,11 +183,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("bwd", &cuteflash::bwd, py::arg("family"), py::arg("dtype"), py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dq_accum"), py::arg("d_rowsum"),
         py::arg("dk"), py::arg("dv"), py::arg("dout_strides"), py::arg("q_strides"), py::arg("k_strides"),
-        py::arg("v_strides"), py::arg("out_strides"), py::arg("dq_strides"),
-        py::arg("dk_strides"), py::arg("dv_strides"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
-        py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
+        py::arg("v_strides"), py::arg("out_strides"), py::arg("dq_strides"), py::arg("dk_strides"),
+        py::arg("dv_strides"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"),
+        py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("fp16_correction"), py::arg("deterministic"), py::arg("stream"));
-  m.def("family_runs", [](std::string const& family) { return cuteflash::family_runs(cuteflash::parse_family(family)); },
-        py::arg("family"), "Whether the family's code in this module runs on the current CUDA device.");
+  m.def(
+      "family_runs", [](std::string const& family) { return cuteflash::family_runs(cuteflash::parse_family(family)); },
+      py::arg("family"), "Whether the family's code in this module runs on the current CUDA device.");
   m.def("build_info", &cuteflash::build_info, "Families, targets, CUDA version and kernels compiled in.");
 }

@@ -45,10 +45,10 @@ __global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_p
   }
   const unsigned active = __ballot_sync(0xffffffff, row < p.seqlen_q);  // whole groups of kThreadsPerRow lanes
   if (row >= p.seqlen_q) return;
-  auto const* o = static_cast<Element const*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride +
-                  head * p.o_head_stride;
-  auto const* dout = static_cast<Element const*>(p.dout) + batch * p.do_batch_stride + row * p.do_row_stride +
-                     head * p.do_head_stride;
+  auto const* o =
+      static_cast<Element const*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride + head * p.o_head_stride;
+  auto const* dout =
+      static_cast<Element const*>(p.dout) + batch * p.do_batch_stride + row * p.do_row_stride + head * p.do_head_stride;
   float sum = 0.f;
   for (int c = lane * 8; c < p.head_dim; c += Pre::kThreadsPerRow * 8) {
     uint4 o8 = *reinterpret_cast<uint4 const*>(o + c);

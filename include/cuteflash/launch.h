@@ -30,9 +30,9 @@ inline int max_smem_per_block() {
 inline void require_smem(int needed, char const* what, int head_dim) {
   int available = max_smem_per_block();
   if (needed > available) {
-    throw std::runtime_error(std::string("cuteflash: the ") + what + " kernel for head dim " + std::to_string(head_dim) +
-                             " needs " + std::to_string(needed) + " bytes of shared memory per block; this GPU offers " +
-                             std::to_string(available));
+    throw std::runtime_error(std::string("cuteflash: the ") + what + " kernel for head dim " +
+                             std::to_string(head_dim) + " needs " + std::to_string(needed) +
+                             " bytes of shared memory per block; this GPU offers " + std::to_string(available));
   }
 }
 

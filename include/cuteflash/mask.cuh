@@ -8,8 +8,8 @@ namespace cuteflash {
 // s: scores in (rows, cols) view; coord: the matching (row, col) positions inside the tile.
 // row0/col0: the tile's first query row and key column. Masked scores become -inf.
 template <typename STensor, typename CoordTensor>
-__device__ __forceinline__ void apply_mask(STensor& s, CoordTensor const& coord, int row0, int col0,
-                                           int seqlen_q, int seqlen_k, bool causal) {
+__device__ __forceinline__ void apply_mask(STensor& s, CoordTensor const& coord, int row0, int col0, int seqlen_q,
+                                           int seqlen_k, bool causal) {
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(s); ++mi) {
     int row = row0 + get<0>(coord(mi, 0));

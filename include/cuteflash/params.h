@@ -50,8 +50,8 @@ struct BwdParams : FwdParams {
   // family converts a head's dQ in the dK/dV kernel, by the last of its thread blocks to finish).
   float* dq_accum;
   int dq_accum_rows;
-  void* dq;          // like q
-  float* d_rowsum;   // D = rowsum(dO * O), (batch, nheads, seqlen_q) fp32, written by the preprocess kernel
+  void* dq;         // like q
+  float* d_rowsum;  // D = rowsum(dO * O), (batch, nheads, seqlen_q) fp32, written by the preprocess kernel
 
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;

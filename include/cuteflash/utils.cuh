@@ -22,10 +22,9 @@ inline void check_cuda(cudaError_t err, const char* what) {
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// threadIdx.x of a block of kNThreads threads, with that range stated: otherwise nvcc (CUDA 13, sm_90)
-// may not know the index is not negative and divide it by powers of two as a signed number (the sm70
-// backward's step at d=64: 1140 instructions instead of 881; H200, forced sm70, d=128: forward +2.5 %,
-// backward +1 %).
+// threadIdx.x of a block of kNThreads threads, with that range stated: otherwise nvcc may not know that
+// the index is non-negative and divides it by powers of two as a signed number (the range saves 23 % of
+// the instructions of the sm70 backward's step at d=64).
 template <int kNThreads>
 __device__ __forceinline__ int thread_index() {
   const int tid = threadIdx.x;
@@ -40,17 +39,16 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
-// *ptr += x in global memory, without a return value. atomicAdd on a plain float* let nvcc emit a
-// shared-or-global test with a compare-and-swap loop, which also pushed the backward kernel's fragments
-// into local memory (d=256: 4960-byte stack frame, 14 TFLOP/s).
+// *ptr += x in global memory, without a return value. atomicAdd on a generic float* may compile to a
+// shared-or-global test with a compare-and-swap loop, which also pushes the backward kernel's fragments
+// into local memory at d=256.
 __device__ __forceinline__ void global_red_add(float* ptr, float x) {
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(ptr), "f"(x) : "memory");
 }
 
 // ptr[0..3] += x[0..3], ptr 16-byte aligned: one vector reduction (sm90, PTX 8.1).
 __device__ __forceinline__ void global_red_add_v4(float* ptr, float const* x) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "f"(x[0]), "f"(x[1]), "f"(x[2]),
-               "f"(x[3])
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3])
                : "memory");
 }
 
@@ -103,7 +101,7 @@ __device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& s
 // The rows of one (batch, head) of a (batch, seqlen, nheads, head_dim) tensor, kRows at a time: block(i)
 // is the (kRows, kHeadDim) tile of rows [i * kRows, (i + 1) * kRows). Offsets inside a tile are 32-bit
 // (api.cpp keeps row strides below 2^24), so a thread's copy addresses all derive from one 64-bit pointer
-// (the sm80 forward loop at head dim 128 spilled 196 bytes with 64-bit tile strides, 112 with these).
+// (64-bit tile strides add 84 bytes of spills to the sm80 forward loop at head dim 128).
 template <int kRows, int kHeadDim, typename Element>
 struct HeadRows {
   static_assert(kRows <= 128);  // with row strides below 2^24, block offsets stay below 2^31
@@ -126,9 +124,8 @@ __device__ __forceinline__ HeadRows<kRows, kHeadDim, Element> head_rows(Element*
 // `coord` is the identity tensor partitioned the same way, giving each chunk's (row, col) in the tile.
 // Chunks outside [0, max_rows) x [0, max_cols) are skipped, or zero-filled in `dst` when `kZeroFill`.
 template <bool kZeroFill, typename TiledCopy, typename SrcTensor, typename DstTensor, typename CoordTensor>
-__device__ __forceinline__ void copy_tile_bounded(TiledCopy const& tiled_copy, SrcTensor const& src,
-                                                  DstTensor&& dst, CoordTensor const& coord, int max_rows,
-                                                  int max_cols) {
+__device__ __forceinline__ void copy_tile_bounded(TiledCopy const& tiled_copy, SrcTensor const& src, DstTensor&& dst,
+                                                  CoordTensor const& coord, int max_rows, int max_cols) {
   CUTE_UNROLL
   for (int m = 0; m < size<1>(src); ++m) {
     bool row_ok = get<0>(coord(0, m, 0)) < max_rows;

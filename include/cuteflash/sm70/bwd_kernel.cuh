@@ -47,16 +47,16 @@ struct BwdTraits {
   // Two shared regions that trade roles each step: one holds the step's Q and dO, the other S and dP
   // and then, once P and dS are made, the next step's Q and dO, loaded during the step (see the loop in
   // bwd_kernel): a step begins with one barrier instead of a copy from global memory between two. Costs
-  // a region and the warps' staging tiles, which can no longer alias the scratch: 96 KB at d=128, all a
-  // V100 has. H200, forced sm70, backward d=128: +3.5 %; d=64 -1.5 % (not taken there).
+  // a region and the warps' staging tiles, which then cannot alias the scratch: 96 KB at d=128, all a
+  // V100 has. Used above d=64 only (3.5 % faster at d=128, slower at d=64).
   static constexpr bool kPingPong = kPingPong_;
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
   // Blocks per SM that the registers must allow (__launch_bounds__; 0: the compiler's choice). On the
   // sm70 family's own GPUs one block fills the shared memory (64-96 KB per SM), but where the family
   // is compiled for a larger GPU (to test it there) two fit: capping head dims <= 128 at 128 registers
-  // lets them run. H200, forced sm70, d=128: 165 -> 128 registers (36 bytes of spills), backward
-  // 86 -> 104 TFLOP/s at S=8192. (An explicit 1 is not the same as none: ptxas then takes up to 255.)
+  // lets them run, for a few bytes of spills (20 % faster at d=128 on H200). An explicit 1 is not the
+  // same as none: ptxas then takes up to 255.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static constexpr int kMinBlocks = kHeadDim <= 128 ? 2 : 0;
 #else
@@ -65,14 +65,14 @@ struct BwdTraits {
   // Q and dO of a step without kPingPong: at head dim 64, loaded into registers during the step before
   // (Volta has no cp.async) and stored at its top; above, where registers are the scarcest (dK and dV
   // take 64 of 128 at d=128), prefetched during the step before (GmemTileCopy::prefetch) and copied at
-  // the top of the step, holding no registers through the products (H200, forced sm70, backward: d=128
-  // +8-9 %, d=64 -3-5 %; loaded ahead at d=128, ptxas spilled them at once, which waits for the loads).
+  // the top of the step, holding no registers through the products (8 % faster at d=128 than loading
+  // ahead, which there makes ptxas spill the loaded registers at once, waiting for the loads).
   static constexpr bool kLoadAhead = !kPingPong && kHeadDim <= 64;
   // dS stored with the current scale s before the block's largest |dS| is known, and again in the rare
-  // step that needs another s: one barrier less per step than storing it once s is known (H200, forced
-  // sm70, backward: d=64 +1.5-2.5 %, d=128 -1.5-3.5 %).
+  // step that needs another s: one barrier less per step than storing it once s is known (2 % faster at
+  // d=64, slower at d=128).
   static constexpr bool kEagerDs = kHeadDim <= 64;
-  // The order of a step's products: above head dim 64 dQ, dV, dK (d=128: 2 % faster than dV, dK, dQ); at
+  // The order of a step's products: above head dim 64 dQ, dV, dK (2 % faster than dQ last at d=128); at
   // d=64 dV, dK, dQ (1-2 % faster than dQ first).
   static constexpr bool kDqFirst = kHeadDim > 64;
   static_assert(kHeadDim % 32 == 0 && kBlockM % 16 == 0 && kBlockN % 16 == 0);
@@ -84,7 +84,7 @@ struct BwdTraits {
   // (4 rows of 8-byte pairs, as WMMA lowers on sm80+) hit distinct banks; the element-wise reads take one
   // row per quarter-warp and do not care.
   static constexpr int kLdS = kBlockN + 8;
-  static constexpr int kLdP = kBlockN + 8;     // halves: P and dS hi / lo, (kBlockM, kBlockN)
+  static constexpr int kLdP = kBlockN + 8;  // halves: P and dS hi / lo, (kBlockM, kBlockN)
 
   // The element-wise phase: each thread owns kCols consecutive columns of one row of S and dP.
   static constexpr int kCols = kBlockM * kBlockN / kNThreads;
@@ -97,13 +97,12 @@ struct BwdTraits {
   static constexpr int kScoreGroup = kScoreTiles >= kNWarps && (kBlockN / 16) % 2 == 0 ? 2 : 1;
   // dK and dV (key tiles), dQ (query tiles): a warp's tiles share their rows, the split A operand (P^T,
   // dS^T, dS: 2 fragments per step along K) loaded once per step for all of them, the B fragments (one
-  // per tile and step) one at a time. (Sharing columns instead, B loaded once and A per tile for each
-  // step, takes 50 % more fragment loads for dK and dV at d=128; H200, forced sm70: d=64 1-2 % slower,
-  // d=128 within 1 %.)
+  // per tile and step) one at a time (sharing columns instead, B loaded once and A per tile for each
+  // step, takes 50 % more fragment loads for dK and dV at d=128).
   // kSplitKeyProducts: dV on the first half of the warps, dK on the other, each warp a whole 16-key row
   // of its product, so that a split A fragment (P^T or dS^T) serves 4 tiles instead of 2. At d=64 shared
-  // memory's bandwidth bounds the step (H200, forced sm70: ncu's L1 throughput 85 %, 2 / 3 of it the
-  // fragment loads), and this takes a quarter of dV's and dK's loads away.
+  // memory's bandwidth bounds the step, mostly through fragment loads, and this takes a quarter of dV's
+  // and dK's loads away.
   static constexpr bool kSplitKeyProducts = kHeadDim <= 64;
   using KeyTiles = WarpRowTiles<kBlockN / 16, kHeadDim / 16, kSplitKeyProducts ? kNWarps / 2 : kNWarps>;
   using QueryTiles = WarpRowTiles<kBlockM / 16, kHeadDim / 16, kNWarps>;
@@ -228,8 +227,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   // Each thread reads kCols floats of a row of S and dP and writes kCols halves of P and dS with vector
   // accesses (8 threads cover a row of 64, so the 16-byte writes of a quarter-warp hit distinct banks);
   // the upper half of a row's threads reads its two 16-byte halves in swapped order, which makes the
-  // reads conflict-free too. (Scalar 2-byte stores were 4-way conflicts: ncu, H200, d=64, 253 M in 979 M
-  // shared wavefronts.)
+  // reads conflict-free too (scalar 2-byte stores would be 4-way conflicts).
   const int r = tid / Traits::kThreadsPerRow;
   const int c0 = (tid % Traits::kThreadsPerRow) * kCols;
   const bool swap = (tid % Traits::kThreadsPerRow) >= 4;
@@ -244,8 +242,8 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   auto* ds_lo = reinterpret_cast<__half*>(smem.ds_lo.data()) + mine_p;
 
   // P and dS of the thread's kCols elements, from S and dP in the scratch (again, on a rare path).
-  const int block_key_limit = p.causal ? min(p.seqlen_k, m_block * Traits::kBlockM + p.seqlen_k - p.seqlen_q + 1)
-                                       : p.seqlen_k;
+  const int block_key_limit =
+      p.causal ? min(p.seqlen_k, m_block * Traits::kBlockM + p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
   float prob[kCols], ds[kCols];
   auto probs_and_grads_of_thread = [&] {
     load_floats(prob, scratch + mine, swap);
@@ -284,7 +282,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
       rescale = ldexpf(1.f, ideal_exp - ds_exp);
       ds_exp = ideal_exp;
     } else if (ds_exp < ideal_exp - kDsSlack) {  // raised as far as the sums allow
-      __syncthreads();  // every thread has read warp_max
+      __syncthreads();                           // every thread has read warp_max
       post_warp_max(sum_abs_max(), buf.warp_max, warp);
       __syncthreads();
       const float m = read_block_max<Traits::kNWarps>(buf.warp_max);
@@ -297,7 +295,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
       }
     }
     if (Traits::kEagerDs && ds_exp != old_exp) {  // the same in every thread: dS again, with the new s
-      probs_and_grads_of_thread();  // recomputed rather than held in registers through the barriers
+      probs_and_grads_of_thread();                // recomputed rather than held in registers through the barriers
       store_split(ds, exp2f_int(ds_exp), ds_hi, ds_lo);
       __syncthreads();
     }
@@ -394,10 +392,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
   Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.k), batch * p.k_batch_stride,
-                                                    head_k * p.k_head_stride, p.k_row_stride).block(n_block),
+                                                    head_k * p.k_head_stride, p.k_row_stride)
+                           .block(n_block),
                        sK, keys_left, p.head_dim, tid);
   Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.v), batch * p.v_batch_stride,
-                                                    head_k * p.v_head_stride, p.v_row_stride).block(n_block),
+                                                    head_k * p.v_head_stride, p.v_row_stride)
+                           .block(n_block),
                        sV, keys_left, p.head_dim, tid);
 
   using KeyTiles = typename Traits::KeyTiles;
@@ -408,7 +408,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   const bool has_dv = !kSplit || warp < Traits::kNWarps / 2;
   FragAcc acc_dk[KeyTiles::kCount], acc_dv_own[kSplit ? 1 : KeyTiles::kCount];
   auto& acc_dv = [&]() -> FragAcc(&)[KeyTiles::kCount] {
-    if constexpr (kSplit) return acc_dk; else return acc_dv_own;
+    if constexpr (kSplit) return acc_dk;
+    else return acc_dv_own;
   }();
   int ds_exp = 0;  // dS, and so dK, are kept in units of 2^ds_exp (probs_and_grads)
   CUTE_UNROLL
@@ -477,7 +478,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   };
 
   int which = 0;  // the region holding the step's Q and dO (always 0 without kPingPong)
-  const int row_in_block = tid / Traits::kThreadsPerRow;  // the calling thread's in probs_and_grads
+  const int row_in_block = tid / Traits::kThreadsPerRow;                   // the calling thread's in probs_and_grads
   RowStats row_ahead(p, row_stats, m_block_min * kBlockM + row_in_block);  // kLoadAhead: the coming step's
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     // No warp still reads the previous Q, dO, P, dS or its staging tile; with kPingPong, this step's Q
@@ -497,9 +498,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
       Traits::CopyQ::copy(gdO.block(m_block), sdO, rows_left, p.head_dim, tid);
     }
     // The row statistics, first used after S and dP. With kLoadAhead loaded a step ahead like Q and dO:
-    // at d=64 the products of S and dP are too short to hide the loads' latency (H200, forced sm70,
-    // loaded here once thread_index had shortened the step: ncu's long-scoreboard stalls 0.97 per issue,
-    // 0.21 loaded ahead). Else loaded here (a step ahead, ptxas spilled them at d=128).
+    // at d=64 the products of S and dP are too short to hide the loads' latency. Else loaded here (held
+    // through a step, they would be spilled at d=128).
     const RowStats row = Traits::kLoadAhead ? row_ahead : RowStats(p, row_stats, m_block * kBlockM + row_in_block);
     if (Traits::kLoadAhead && has_next) row_ahead = RowStats(p, row_stats, m_next * kBlockM + row_in_block);
     if constexpr (!Traits::kPingPong) __syncthreads();
@@ -508,9 +508,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     if (has_dk) rescale_tiles(acc_dk, dk_rescale);
     // With kPingPong, the next Q and dO: loaded after the step's first product, stored into the region
     // of S and dP (spent now) after its last, so that registers hold them through dV and dK's products
-    // only. (Loaded at the top of the step and stored once S and dP were spent, or loaded before dQ's
-    // product, they made ptxas spill 88 and 40 bytes at d=128; H200, forced sm70, backward d=128: -6 %
-    // and -3 % against the copy at the top, +3.5 % as it is.)
+    // only: held any longer, they make ptxas spill at d=128.
     Regs next_q, next_do;
     auto first_product_done = [&] {
       if constexpr (Traits::kPingPong) {
@@ -558,8 +556,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
                       p.head_dim - col0);
     }
     if (has_dv) {
-      store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv_row_stride + col0,
-                      p.dv_row_stride, p.seqlen_k - row0, p.head_dim - col0);
+      store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv_row_stride + col0, p.dv_row_stride,
+                      p.seqlen_k - row0, p.head_dim - col0);
     }
   });
 
@@ -604,10 +602,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
   Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.q), batch * p.q_batch_stride,
-                                                   head * p.q_head_stride, p.q_row_stride).block(m_block),
+                                                   head * p.q_head_stride, p.q_row_stride)
+                          .block(m_block),
                       sQ, rows_left, p.head_dim, tid);
   Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.dout), batch * p.do_batch_stride,
-                                                   head * p.do_head_stride, p.do_row_stride).block(m_block),
+                                                   head * p.do_head_stride, p.do_row_stride)
+                          .block(m_block),
                       sdO, rows_left, p.head_dim, tid);
   const RowStats row(p, (int64_t(batch) * p.nheads + head) * p.seqlen_q,
                      m_block * kBlockM + tid / Traits::kThreadsPerRow);
@@ -641,9 +641,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   auto* dq = static_cast<half_t*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
   const int row0 = m_block * kBlockM + query_tiles.row * 16;
   query_tiles.for_each([&](int i, int col0) {
-    store_tile_fp16(acc_dq[i], p.softmax_scale * exp2f_int(-ds_exp), stage,
-                    dq + int64_t(row0) * p.dq_row_stride + col0, p.dq_row_stride, p.seqlen_q - row0,
-                    p.head_dim - col0);
+    store_tile_fp16(acc_dq[i], p.softmax_scale * exp2f_int(-ds_exp), stage, dq + int64_t(row0) * p.dq_row_stride + col0,
+                    p.dq_row_stride, p.seqlen_q - row0, p.head_dim - col0);
   });
 }
 

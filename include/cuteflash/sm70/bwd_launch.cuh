@@ -29,7 +29,7 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
   // trade roles (BwdTraits::kPingPong; V100 up to d=128); 32 x 32; 16 x 32 (T4 at head dims 192-256).
   using Largest = std::conditional_t<(kHeadDim > 64), BwdTraits<kHeadDim, 32, 64, true>, BwdTraits<kHeadDim, 32, 64>>;
   launch_fitting_sm70<Largest, BwdTraits<kHeadDim, 32, 32>, BwdTraits<kHeadDim, 16, 32>>(launch_one, "sm70 backward",
-                                                                                      kHeadDim);
+                                                                                         kHeadDim);
 }
 
 }  // namespace cuteflash::sm70

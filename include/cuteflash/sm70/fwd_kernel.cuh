@@ -34,9 +34,9 @@ struct FwdTraits {
   static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0 && (kRowTiles == 1 || kRowTiles == 2));
   // Blocks per SM that the registers must allow (__launch_bounds__; 0: the compiler's choice), where the
   // family is compiled for a larger GPU than its own, to test it there (see BwdTraits::kMinBlocks; on a
-  // V100 or T4 shared memory allows two blocks at most). At d=64 three: 168 registers instead of 228
-  // (36 bytes of spills), H200 forward +1.5-2 %; without thread_index's range ptxas spilled 132 bytes
-  // and it lost 8 %. At d=128 three spill 724 bytes.
+  // V100 or T4 shared memory allows two blocks at most). At d=64 three, 168 registers with a few bytes of
+  // spills (2 % faster on H200; this relies on thread_index's range, without which the spills grow). At
+  // d=128 three would spill 724 bytes.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static constexpr int kMinBlocks = kHeadDim <= 64 ? 3 : 0;
 #else
@@ -47,10 +47,10 @@ struct FwdTraits {
   // (WMMA loads take a pointer and a leading dimension: no swizzle).
   static constexpr int kLdQKV = kHeadDim + 8;  // halves
   // floats: per-warp S scratch, also O tiles at the end. Rows 8 banks apart: the accumulator stores of a
-  // half-warp (4 rows of 32 bytes, as WMMA lowers on sm80+) hit distinct banks (4 banks apart, they were
-  // 2-way conflicts: ncu, H200, forward d=64, 9.5 M in 80 M shared wavefronts).
+  // half-warp (4 rows of 32 bytes, as WMMA lowers on sm80+) hit distinct banks (rows 4 banks apart would
+  // make them 2-way conflicts).
   static constexpr int kLdS = kBlockN + 8;
-  static constexpr int kLdP = kBlockN + 8;     // halves: per-warp P hi / lo
+  static constexpr int kLdP = kBlockN + 8;  // halves: per-warp P hi / lo
   // Each warp's scratch holds its rows of S (fp32), then of P (hi', lo: fp16) in their place.
   static constexpr int kPLoOffset = kWarpRows * kLdP;  // halves
   static constexpr int kScratchBytes = kWarpRows * cute::max(kLdS * 4, 2 * kLdP * 2);
@@ -66,7 +66,7 @@ struct FwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutKV>> k;
     array_aligned<Element, cosize_v<SmemLayoutKV>> v;
     array_aligned<char, kNWarps * kScratchBytes, 32> scratch;  // S, then P, of each warp
-    array_aligned<float, kBlockM> alpha;  // each warp's row rescale factors of the current step
+    array_aligned<float, kBlockM> alpha;                       // each warp's row rescale factors of the current step
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
@@ -100,8 +100,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   // rows, lane r all of row r; with 16, lanes 0-15 the first half of rows 0-15, lanes 16-31 the second.
   // Rows r with bit 2 of r differing from bit 3 visit their quads of columns rotated by one, so that the
   // 16-byte reads of S (8 lanes at a time, rows 8 banks apart) and the 8-byte writes of P (16 at a time,
-  // rows 20 banks apart) hit distinct banks: with lane pairs owning a row and no rotation, both were
-  // 4-way conflicts (ncu, H200, d=64: 220 M conflicts in 425 M shared wavefronts).
+  // rows 20 banks apart) hit distinct banks; without the rotation both would be bank conflicts.
   const int my_row = lane % kWarpRows;
   const int my_half = lane / kWarpRows;  // 0 with 32 rows
   const int my_col0 = my_half * kColsPerLane;
@@ -121,7 +120,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
   char* warp_scratch = smem.scratch.data() + warp * Traits::kScratchBytes;
   float* scratch = reinterpret_cast<float*>(warp_scratch);  // S: (kWarpRows, kBlockN) fp32
-  __half* p_hi = reinterpret_cast<__half*>(warp_scratch);    // then P: (kWarpRows, kBlockN) hi' and lo
+  __half* p_hi = reinterpret_cast<__half*>(warp_scratch);   // then P: (kWarpRows, kBlockN) hi' and lo
   __half* p_lo = p_hi + Traits::kPLoOffset;
 
   Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
@@ -205,7 +204,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
       }
     }
     // K(n + 1) into the registers that held V(n): loaded after S's products, which give the stores of
-    // V(n) the time to read them (loaded right after those stores, the loads waited for them).
+    // V(n) the time to read them (loads issued right after those stores would wait for them).
     if (has_next) Traits::CopyKV::load(gK.block(n_block + 1), kv_regs, keys_left(n_block + 1), p.head_dim, tid);
     __syncwarp();
 
@@ -221,7 +220,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
       s[4 * i + 2] = v.z;
       s[4 * i + 3] = v.w;
     }
-    __syncwarp();  // every lane holds its S: P takes its place
+    __syncwarp();                                // every lane holds its S: P takes its place
     if (n_block >= keys.n_block_first_masked) {  // a block with keys past the end or past a causal limit
       CUTE_UNROLL
       for (int i = 0; i < kQuads; ++i) {

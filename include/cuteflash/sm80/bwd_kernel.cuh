@@ -56,12 +56,13 @@ __device__ __forceinline__ void load_row_stats(BwdParams const& p, int64_t row_s
 // The (kRows, kHeadDim) tile of dq that query block m_block writes.
 template <int kRows, int kHeadDim, typename Element>
 __device__ __forceinline__ auto dq_tile(BwdParams const& p, int batch, int head, int m_block) {
-  return head_rows<kRows, kHeadDim>(static_cast<Element*>(p.dq), batch * p.dq_batch_stride,
-                                    head * p.dq_head_stride, p.dq_row_stride).block(m_block);
+  return head_rows<kRows, kHeadDim>(static_cast<Element*>(p.dq), batch * p.dq_batch_stride, head * p.dq_head_stride,
+                                    p.dq_row_stride)
+      .block(m_block);
 }
 
 // How many consecutive dQ accumulator elements a thread adds with one reduction: sm90 has 16-byte ones,
-// a quarter of the reduction instructions (H200, fp16 backward d=256: 222 -> 227 TFLOP/s, causal 206 -> 211).
+// a quarter of the reduction instructions (2 % faster backward at d=256 on H200).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 constexpr int kDqAccumVec = 4;
 #else
@@ -115,25 +116,27 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
                                                 head * p.do_head_stride, p.do_row_stride);
   // block(i) of gQ, gdO: (kBlockM, kHeadDim)
   Tensor gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
-                                           head_k * p.k_head_stride, p.k_row_stride).block(n_block);
+                                           head_k * p.k_head_stride, p.k_row_stride)
+                  .block(n_block);
   Tensor gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
-                                           head_k * p.v_head_stride, p.v_row_stride).block(n_block);
+                                           head_k * p.v_head_stride, p.v_row_stride)
+                  .block(n_block);
   // gK, gV: (kBlockN, kHeadDim)
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
 
   // Q's stage s lives at smem.q + s * kQSize; the partitions below are of stage 0 and get the offset of
   // the current stage added to their pointers.
   constexpr int kQSize = cosize_v<typename Traits::SmemLayoutQ>;
-  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});      // (kBlockM, kHeadDim)
-  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
-  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
-  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
-  Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});    // (kHeadDim, kBlockM)
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});        // (kBlockM, kHeadDim)
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});    // (kBlockM, kHeadDim)
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});       // (kBlockN, kHeadDim)
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});       // (kBlockN, kHeadDim)
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});      // (kHeadDim, kBlockM)
   Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQt{});  // (kHeadDim, kBlockM)
-  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});    // (kHeadDim, kBlockN)
-  Tensor sP = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutPdS{});    // (kBlockM, kBlockN)
-  Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutPdS{});  // (kBlockM, kBlockN)
-  Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutPdSt{});  // (kBlockN, kBlockM)
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});      // (kHeadDim, kBlockN)
+  Tensor sP = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutPdS{});      // (kBlockM, kBlockN)
+  Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutPdS{});    // (kBlockM, kBlockN)
+  Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutPdSt{});    // (kBlockN, kBlockM)
   Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutPdSt{});  // (kBlockN, kBlockM)
 
   // ---- Loads: K and V once, Q and dO per query block (zero-filled past seqlen and head_dim).
@@ -143,10 +146,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   Tensor tdOsdO = gmem_thr.partition_D(sdO);
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKVcKV, keys_left,
-                          p.head_dim);
-  copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKVcKV, keys_left,
-                          p.head_dim);
+  copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKVcKV, keys_left, p.head_dim);
+  copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKVcKV, keys_left, p.head_dim);
   // Every query block but the last is full: without a head-dim remainder it loads without bounds checks
   // (whose zero-filling stores nvcc would otherwise issue, predicated off, in every step).
   const bool full_head_dim = p.head_dim == kHeadDim;
@@ -224,8 +225,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
 
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   // One loop with a uniform branch for the mask, not a lambda instantiated twice as in the forward
-  // kernel: at head dim 256 nvcc did not inline such a lambda, and every fragment it captured went to
-  // local memory (4960-byte stack frame).
+  // kernel: at head dim 256 nvcc does not inline such a lambda, and every fragment it captures goes to
+  // local memory.
   int q_stage = 0;
   for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     const bool has_next = m_block + 1 < m_block_max;
@@ -236,8 +237,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
     load_row_stats(p, row_stats, m_block * kBlockM, tScS_rc, lse_log2, d);
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
     clear(acc_s);
-    gemm_ss(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + q_stage * kQSize, tSsQ.layout()), tSsK, mma_sdp,
-            copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
+    gemm_ss(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + q_stage * kQSize, tSsQ.layout()), tSsK, mma_sdp, copy_a_sdp,
+            thr_a_sdp, copy_b_sdp, thr_b_sdp);
     if (kQStages == 2 && has_next) {  // the other stage was last read before this step's barrier
       load_q(m_block + 1, q_stage ^ 1);
       cp_async_commit();
@@ -266,17 +267,17 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
       cp_async_commit();
     }
 
-    // Once in the code: with a copy in each branch below, nvcc predicated both and issued them all.
-    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, make_tensor(tdKsQt.data() + q_stage * kQSize, tdKsQt.layout()),
-            mma_dkv, copy_a_dkv, thr_a_dkv, copy_b_dkv, thr_b_dkv);
+    // One call, the Q stage in its pointer: with a call per stage in two branches, nvcc predicates both
+    // and issues them all.
+    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, make_tensor(tdKsQt.data() + q_stage * kQSize, tdKsQt.layout()), mma_dkv,
+            copy_a_dkv, thr_a_dkv, copy_b_dkv, thr_b_dkv);
     if (kQStages == 1 && has_next) {
       __syncthreads();  // no warp reads Q any more
       load_q(m_block + 1, 0);
       cp_async_commit();
     }
     // dQ last: the registers its reductions read are reused by the next step's first products only after
-    // the loop's barrier, not by dK's fragment loads right away (ncu, d=128: the first ldmatrix of dK,
-    // which waited for the reductions, was the kernel's top stall).
+    // the loop's barrier, not by dK's fragment loads right away, which would wait for the reductions.
     if (!p.deterministic) {  // rows past seqlen_q and columns past head_dim add zeros to the padding
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
       clear(acc_dq);
@@ -298,9 +299,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
 
   // ---- Epilogue: dK and dV through the shared memory of K and V; a key block no query sees gets zeros.
   Tensor gdK = head_rows<kBlockN, kHeadDim>(static_cast<Element*>(p.dk), batch * p.dk_batch_stride,
-                                            head * p.dk_head_stride, p.dk_row_stride).block(n_block);
+                                            head * p.dk_head_stride, p.dk_row_stride)
+                   .block(n_block);
   Tensor gdV = head_rows<kBlockN, kHeadDim>(static_cast<Element*>(p.dv), batch * p.dv_batch_stride,
-                                            head * p.dv_head_stride, p.dv_row_stride).block(n_block);
+                                            head * p.dv_head_stride, p.dv_row_stride)
+                   .block(n_block);
   __syncthreads();  // no warp reads K or V any more
   using Fwd = typename Traits::Fwd;
   store_acc_tile<Fwd, kBlockN>(acc_dk, mma_dkv, smem.k.data(), gdK, keys_left, p.head_dim);
@@ -363,9 +366,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   const int rows_left = p.seqlen_q - m_block * kBlockM;
 
   Tensor gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
-                                           head * p.q_head_stride, p.q_row_stride).block(m_block);
+                                           head * p.q_head_stride, p.q_row_stride)
+                  .block(m_block);
   Tensor gdO = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.dout), batch * p.do_batch_stride,
-                                            head * p.do_head_stride, p.do_row_stride).block(m_block);
+                                            head * p.do_head_stride, p.do_row_stride)
+                   .block(m_block);
   const auto gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
                                                head_k * p.k_head_stride, p.k_row_stride);
   const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
@@ -376,7 +381,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
   Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutVt{});    // (kHeadDim, kBlockN)
-  Tensor gdQ = dq_tile<kBlockM, kHeadDim, Element>(p, batch, head, m_block);                 // (kBlockM, kHeadDim)
+  Tensor gdQ = dq_tile<kBlockM, kHeadDim, Element>(p, batch, head, m_block);                  // (kBlockM, kHeadDim)
 
   // A block that sees no key (causal, seqlen_q > seqlen_k) has dQ = 0 and loads nothing: the epilogue
   // reuses sQ, which a Q copy still in flight (awaited only inside the key loop) would overwrite.
@@ -393,13 +398,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   Tensor tKsK = gmem_thr.partition_D(sK);
   Tensor tVsV = gmem_thr.partition_D(sV);
   copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gQ), gmem_thr.partition_D(sQ), tQcQ, rows_left, p.head_dim);
-  copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gdO), gmem_thr.partition_D(sdO), tQcQ, rows_left,
-                          p.head_dim);
+  copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gdO), gmem_thr.partition_D(sdO), tQcQ, rows_left, p.head_dim);
 
   typename Traits::TiledMma tiled_mma;
   auto thr_mma = tiled_mma.get_thread_slice(tid);
-  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
-  Tensor tSrK = thr_mma.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K)
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K)
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K)
   Tensor tdPrdO = thr_mma.partition_fragment_A(sdO);
   Tensor tdPrV = thr_mma.partition_fragment_B(sV);
   Tensor tdQrKt = thr_mma.partition_fragment_B(sKt);  // (MMA, MMA_D, MMA_K over keys)

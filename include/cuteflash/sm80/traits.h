@@ -26,8 +26,7 @@ struct FwdTraits {
   // mma.sync.m16n8k16, fp32 accumulation. Warps are stacked along M (each owns kBlockM / kNWarps query
   // rows, so the row statistics of the softmax never leave a warp); the 16-wide N tile lets one
   // ldmatrix.x4 feed two n8 MMAs.
-  using MmaAtom = std::conditional_t<std::is_same_v<Element, half_t>,
-                                     MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
+  using MmaAtom = std::conditional_t<std::is_same_v<Element, half_t>, MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
                                      MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
   using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
   static_assert(kBlockM % (16 * kNWarps) == 0);
@@ -37,9 +36,8 @@ struct FwdTraits {
   // reads of 8 rows and the 16-byte cp.async writes of a row both hit 8 different bank groups.
   static constexpr int kSmemRowElems = kHeadDim % 64 == 0 ? 64 : 32;
   static constexpr int kSwizzleBits = kSmemRowElems == 64 ? 3 : 2;
-  using SmemLayoutAtom = decltype(composition(
-      Swizzle<kSwizzleBits, 3, 3>{},
-      Layout<Shape<_8, Int<kSmemRowElems>>, Stride<Int<kSmemRowElems>, _1>>{}));
+  using SmemLayoutAtom = decltype(composition(Swizzle<kSwizzleBits, 3, 3>{},
+                                              Layout<Shape<_8, Int<kSmemRowElems>>, Stride<Int<kSmemRowElems>, _1>>{}));
   using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // V read as V^T, (kHeadDim, kBlockN), for the B operand of O += P V.
@@ -56,11 +54,11 @@ struct FwdTraits {
   static constexpr int kGmemElemsPerCopy = 8;
   static constexpr int kGmemThreadsPerRow = kSmemRowElems / kGmemElemsPerCopy;
   static_assert(kNThreads % kGmemThreadsPerRow == 0);
-  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
-                                  Stride<Int<kGmemThreadsPerRow>, _1>>;
+  using GmemThreadLayout =
+      Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>;
   using GmemValLayout = Layout<Shape<_1, Int<kGmemElemsPerCopy>>>;
-  using GmemTiledCopyQKV = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{}, GmemThreadLayout{}, GmemValLayout{}));
+  using GmemTiledCopyQKV = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
+                                                    GmemThreadLayout{}, GmemValLayout{}));
   using GmemTiledCopyO =
       decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreadLayout{}, GmemValLayout{}));
   static_assert(kBlockM % (kNThreads / kGmemThreadsPerRow) == 0);
@@ -135,8 +133,8 @@ struct BwdTraits {
   using SmemCopyAtomPdS = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
   static constexpr int kGmemThreadsPerRow = Fwd::kGmemThreadsPerRow;
-  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
-                                  Stride<Int<kGmemThreadsPerRow>, _1>>;
+  using GmemThreadLayout =
+      Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>;
   using GmemTiledCopy = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
                                                  GmemThreadLayout{}, typename Fwd::GmemValLayout{}));
   static_assert(kBlockM % (kNThreads / kGmemThreadsPerRow) == 0);
