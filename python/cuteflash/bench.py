@@ -127,6 +127,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=30, help="timed batches per measurement (median reported)")
     p.add_argument("--quick", action="store_true", help="two small shapes, fp16: a smoke test")
     p.add_argument("--no-check", action="store_true", help="skip the correctness checks")
+    p.add_argument(
+        "--peers",
+        default=",".join(SDPA_BACKENDS),
+        help="comma-separated SDPA backends to time beside cuteflash (default: %(default)s; math is also the "
+        "memory comparison)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--csv", metavar="PATH", help="write the results as CSV")
     p.add_argument("--plot", metavar="PATH", help="PNG of TFLOP/s against seqlen per implementation (matplotlib)")
@@ -224,8 +230,12 @@ def _implementations(case: Case, args):
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "math": SDPBackend.MATH,
     }
+    peers = [name for name in args.peers.split(",") if name]
+    unknown = sorted(set(peers) - set(backends))
+    if unknown:
+        raise SystemExit(f"--peers: unknown backend(s) {', '.join(unknown)}; choose from {', '.join(backends)}")
     impls = {"cuteflash": (contextlib.nullcontext, cuteflash_fwd)}
-    impls.update({name: (lambda b=b: sdpa_kernel(b), sdpa_fwd) for name, b in backends.items()})
+    impls.update({name: (lambda b=b: sdpa_kernel(b), sdpa_fwd) for name, b in backends.items() if name in peers})
     return impls
 
 
@@ -307,7 +317,7 @@ def run_case(case: Case, args) -> Result:
 
     impls = _implementations(case, args)
     backward = not args.forward_only
-    for name in ("cuteflash", "math"):
+    for name in ("cuteflash", "math") if "math" in impls else ():
         context, fwd = impls[name]
         try:
             with context():

@@ -1,0 +1,102 @@
+// Which keys each query row may see, and what follows for the blocks of a tiled kernel: the one answer
+// that every kernel of both families, in both directions, asks for its block ranges, the blocks it must
+// mask and the per-row limits. Plain C++ with no CUDA types, so that the host uses and tests it too.
+#pragma once
+
+#include "cuteflash/params.h"  // CUTEFLASH_HOST_DEVICE
+
+namespace cuteflash {
+
+// Block indices [begin, end) to visit, of which [unmasked_begin, unmasked_end) need no per-element mask.
+// begin <= unmasked_begin <= unmasked_end <= end; an empty range has begin == end.
+struct BlockRange {
+  int begin;
+  int end;
+  int unmasked_begin;
+  int unmasked_end;
+
+  CUTEFLASH_HOST_DEVICE bool empty() const { return begin >= end; }
+  CUTEFLASH_HOST_DEVICE bool masked(int block) const { return block < unmasked_begin || block >= unmasked_end; }
+};
+
+// Query row i (0 <= i < seqlen_q) sees key j (0 <= j < seqlen_k) when
+//     i + shift - left <= j <= i + shift + right,    shift = seqlen_k - seqlen_q,
+// flash-attn's alignment of the mask to the bottom-right corner. causal is right = 0; a side without a
+// bound is kUnbounded. A row that sees no key (causal with seqlen_q > seqlen_k, say) has key_end <= key_begin.
+// The lengths are those of one sequence: a kernel builds the policy of the sequence it works on.
+struct MaskPolicy {
+  // Larger than any length (api.cpp keeps seqlens below kMaxSeqlen), small enough that row + shift +
+  // kUnbounded + 1 stays in int.
+  static constexpr int kUnbounded = 1 << 30;
+  static constexpr int kMaxSeqlen = 1 << 30;
+
+  int seqlen_q;
+  int seqlen_k;
+  int left;   // keys before the diagonal a row sees (kUnbounded: all)
+  int right;  // keys after the diagonal a row sees (0: causal; kUnbounded: all)
+
+  // window_left, window_right: flash-attn's window_size, -1 for an unbounded side; causal sets right to 0.
+  CUTEFLASH_HOST_DEVICE static MaskPolicy make(int seqlen_q, int seqlen_k, bool causal, int window_left = -1,
+                                               int window_right = -1) {
+    int right = causal ? 0 : window_right < 0 ? kUnbounded : window_right;
+    return {seqlen_q, seqlen_k, window_left < 0 ? kUnbounded : window_left, right};
+  }
+
+  CUTEFLASH_HOST_DEVICE int shift() const { return seqlen_k - seqlen_q; }
+  // The keys row i sees: [key_begin(i), key_end(i)); both are non-decreasing in i.
+  CUTEFLASH_HOST_DEVICE int key_begin(int row) const { return max_(0, row + shift() - left); }
+  CUTEFLASH_HOST_DEVICE int key_end(int row) const { return min_(seqlen_k, row + shift() + right + 1); }
+  // The rows that see key j: [row_begin(j), row_end(j)); both are non-decreasing in j.
+  CUTEFLASH_HOST_DEVICE int row_begin(int key) const { return max_(0, key - shift() - right); }
+  CUTEFLASH_HOST_DEVICE int row_end(int key) const { return min_(seqlen_q, key - shift() + left + 1); }
+  CUTEFLASH_HOST_DEVICE bool visible(int row, int key) const { return key >= key_begin(row) && key < key_end(row); }
+
+  // The key blocks of kBlockN keys that query block m_block (rows [m_block * kBlockM, + kBlockM), the part
+  // below seqlen_q) visits; a block is unmasked when every one of its keys is visible to every such row.
+  template <int kBlockM, int kBlockN>
+  CUTEFLASH_HOST_DEVICE BlockRange key_blocks(int m_block) const {
+    const int first = m_block * kBlockM, last = min_(first + kBlockM, seqlen_q) - 1;
+    const int end_key = key_end(last);
+    if (end_key <= 0 || last < first) return {0, 0, 0, 0};
+    const int begin = key_begin(first) / kBlockN, end = div_up(end_key, kBlockN);
+    // Unmasked: keys [n kBlockN, (n + 1) kBlockN) inside [key_begin(last), key_end(first)).
+    const int unmasked_begin = clamp_(div_up(key_begin(last), kBlockN), begin, end);
+    const int unmasked_end = clamp_(max_(key_end(first), 0) / kBlockN, unmasked_begin, end);
+    return {begin, end, unmasked_begin, unmasked_end};
+  }
+
+  // Whether query block m_block and key block n_block need a per-element mask: not when every row of the
+  // query block below seqlen_q sees every key of the key block, and the key block is whole.
+  template <int kBlockM, int kBlockN>
+  CUTEFLASH_HOST_DEVICE bool block_masked(int m_block, int n_block) const {
+    const int first = m_block * kBlockM, last = min_(first + kBlockM, seqlen_q) - 1;
+    const int key0 = n_block * kBlockN, key1 = key0 + kBlockN;
+    return key1 > seqlen_k || key_begin(last) > key0 || key_end(first) < key1;
+  }
+
+  // The query blocks of kBlockM rows that key block n_block (keys [n_block * kBlockN, + kBlockN), the part
+  // below seqlen_k) is seen by; a block is unmasked when each of its rows below seqlen_q sees every key of
+  // the key block, and the key block is whole (rows past seqlen_q must not count: kernels give them P = 0).
+  template <int kBlockM, int kBlockN>
+  CUTEFLASH_HOST_DEVICE BlockRange query_blocks(int n_block) const {
+    const int first = n_block * kBlockN, last = min_(first + kBlockN, seqlen_k) - 1;
+    const int end_row = row_end(last);
+    if (end_row <= row_begin(first) || last < first) return {0, 0, 0, 0};
+    const int begin = row_begin(first) / kBlockM, end = div_up(end_row, kBlockM);
+    if (last - first + 1 < kBlockN) return {begin, end, begin, begin};  // the keys past seqlen_k are masked
+    // Unmasked rows: [row_begin(last), row_end(first)); a block ending at seqlen_q counts as whole.
+    const int rows_begin = row_begin(last), rows_end = row_end(first);
+    const int unmasked_begin = clamp_(div_up(rows_begin, kBlockM), begin, end);
+    const int unmasked_end =
+        clamp_(rows_end >= seqlen_q ? div_up(seqlen_q, kBlockM) : max_(rows_end, 0) / kBlockM, unmasked_begin, end);
+    return {begin, end, unmasked_begin, unmasked_end};
+  }
+
+ private:
+  CUTEFLASH_HOST_DEVICE static int min_(int a, int b) { return a < b ? a : b; }
+  CUTEFLASH_HOST_DEVICE static int max_(int a, int b) { return a > b ? a : b; }
+  CUTEFLASH_HOST_DEVICE static int clamp_(int x, int lo, int hi) { return max_(lo, min_(x, hi)); }
+  CUTEFLASH_HOST_DEVICE static int div_up(int a, int b) { return (a + b - 1) / b; }
+};
+
+}  // namespace cuteflash
