@@ -164,3 +164,12 @@ def test_quick_suite_on_the_gpu(tmp_path, capsys):
     assert results and all(r["correct"] for r in results)
     assert all(r["tflops"]["fwd"]["cuteflash"] > 0 and r["tflops"]["bwd"]["cuteflash"] > 0 for r in results)
     assert "verdict: CORRECT" in capsys.readouterr().out
+
+
+def test_peers_choose_the_backends_timed():
+    case = bench.Case(1, 1, 16, 16, 16, False, "fp16")
+    impls = bench._implementations(case, bench.parse_args(["--peers", "flash,efficient"]))
+    assert list(impls) == ["cuteflash", "flash", "efficient"]
+    assert list(bench._implementations(case, bench.parse_args([]))) == ["cuteflash", *bench.SDPA_BACKENDS]
+    with pytest.raises(SystemExit, match="unknown backend"):
+        bench._implementations(case, bench.parse_args(["--peers", "flash,fastest"]))

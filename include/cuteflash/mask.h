@@ -1,9 +1,13 @@
-// Which keys each query row may see, and what follows for the blocks of a tiled kernel: the one answer
-// that every kernel of both families, in both directions, asks for its block ranges, the blocks it must
-// mask and the per-row limits. Plain C++ with no CUDA types, so that the host uses and tests it too.
+// Which keys each query row may see, and what follows for the blocks of a tiled kernel: block ranges in
+// both directions, the blocks that need a mask, and per-row limits, for causal masks, sliding windows and
+// per-sequence lengths alike. Plain C++ with no CUDA types, so that the host uses and tests it too.
 #pragma once
 
-#include "cuteflash/params.h"  // CUTEFLASH_HOST_DEVICE
+#if defined(__CUDACC__)
+#define CUTEFLASH_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define CUTEFLASH_HOST_DEVICE inline
+#endif
 
 namespace cuteflash {
 
@@ -25,7 +29,7 @@ struct BlockRange {
 // bound is kUnbounded. A row that sees no key (causal with seqlen_q > seqlen_k, say) has key_end <= key_begin.
 // The lengths are those of one sequence: a kernel builds the policy of the sequence it works on.
 struct MaskPolicy {
-  // Larger than any length (api.cpp keeps seqlens below kMaxSeqlen), small enough that row + shift +
+  // Larger than any length (a caller keeps seqlens below kMaxSeqlen), small enough that row + shift +
   // kUnbounded + 1 stays in int.
   static constexpr int kUnbounded = 1 << 30;
   static constexpr int kMaxSeqlen = 1 << 30;

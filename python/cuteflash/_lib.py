@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import torch  # noqa: F401  (before _C: torch's import crashed when our pybind11 module was loaded first)
 
@@ -16,8 +17,7 @@ except ImportError as e:  # a source checkout, or a build for another Python
     _C_ERROR = e
 
 BACKEND_ENV = "CUTEFLASH_BACKEND"
-# Head dims with a kernel, a copy of kHeadDims in include/cuteflash/tile_config.h for code that runs without
-# the compiled module (tests/test_generate.py keeps them equal); others run the next larger one.
+# Head dims with a kernel (kHeadDims in include/cuteflash/tile_config.h); others run the next larger one.
 KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 
 
@@ -26,6 +26,10 @@ def kernel_head_dim(head_dim: int) -> int | None:
     round_up_head_dim in include/cuteflash/tile_config.h."""
     padded = -(-head_dim // 8) * 8
     return next((hd for hd in KERNEL_HEAD_DIMS if hd >= padded), None)
+
+
+_KERNEL_NAME = re.compile(r"run_(?P<direction>\w+?)_(?P<family>sm\d+)_(?P<dtype>\w+?)_hd(?P<head_dim>\d+)$")
+_DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16"}
 
 
 def compiled_module():
@@ -42,18 +46,19 @@ def build_info() -> dict:
     """What this build of cuteflash holds.
 
     Returns a dict with ``families`` ({family: {"targets": [...], "dtypes": [...], "head_dims": [...],
-    "directions": [...]}}), ``cuda_version`` (the toolkit that built it) and ``kernels`` (one dict per
-    compiled launcher: family, direction, dtype, head_dim).
+    "directions": [...]}}), ``cuda_version`` (the toolkit that built it) and ``kernels`` (launcher
+    names).
     """
     raw = compiled_module().build_info()
     families = {}
     for family, targets in raw["families"].items():
         families[family] = {"targets": targets.split(), "dtypes": set(), "head_dims": set(), "directions": set()}
-    for kernel in raw["kernels"]:
-        entry = families[kernel["family"]]
-        entry["dtypes"].add(kernel["dtype"])
-        entry["head_dims"].add(kernel["head_dim"])
-        entry["directions"].add(kernel["direction"])
+    for name in raw["kernels"]:
+        m = _KERNEL_NAME.match(name)
+        entry = families[m["family"]]
+        entry["dtypes"].add(_DTYPE_NAMES[m["dtype"]])
+        entry["head_dims"].add(int(m["head_dim"]))
+        entry["directions"].add(m["direction"])
     for entry in families.values():
         for key in ("dtypes", "head_dims", "directions"):
             entry[key] = sorted(entry[key])

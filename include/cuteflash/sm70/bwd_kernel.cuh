@@ -18,7 +18,7 @@
 // kernel computes.
 #pragma once
 
-#include "cuteflash/mask.cuh"
+#include "cuteflash/block_info.cuh"
 #include "cuteflash/bwd_preprocess.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/sm70/wmma.cuh"
@@ -233,6 +233,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   const bool swap = (tid % Traits::kThreadsPerRow) >= 4;
   const int q_row = m_block * Traits::kBlockM + r;
   const int key0 = n_block * Traits::kBlockN + c0;
+  const int key_limit = p.causal ? min(p.seqlen_k, q_row + p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
   const int mine = r * Traits::kLdS + c0;
   const int mine_p = r * Traits::kLdP + c0;
   auto* p_hi = reinterpret_cast<__half*>(smem.p_hi.data()) + mine_p;
@@ -241,18 +242,18 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   auto* ds_lo = reinterpret_cast<__half*>(smem.ds_lo.data()) + mine_p;
 
   // P and dS of the thread's kCols elements, from S and dP in the scratch (again, on a rare path).
+  const int block_key_limit =
+      p.causal ? min(p.seqlen_k, m_block * Traits::kBlockM + p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
   float prob[kCols], ds[kCols];
   auto probs_and_grads_of_thread = [&] {
     load_floats(prob, scratch + mine, swap);
     load_floats(ds, scratch + Traits::kBlockM * Traits::kLdS + mine, swap);
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) prob[c] = exp2_approx(prob[c] * p.softmax_scale_log2 - row.lse_log2());
-    // Keys past the end or outside the row's window (rows past seqlen_q have lse = +inf: P = 0 already).
-    const MaskPolicy mask = mask_policy(p);
-    if (mask.block_masked<Traits::kBlockM, Traits::kBlockN>(m_block, n_block)) {  // my row sees [key_begin, key_end)
-      const int key_begin = mask.key_begin(q_row) - key0, key_end = mask.key_end(q_row) - key0;
+    // Keys past the end or past a causal limit (rows past seqlen_q have lse = +inf: P = 0 already).
+    if ((n_block + 1) * Traits::kBlockN > block_key_limit) {
       CUTE_UNROLL
-      for (int c = 0; c < kCols; ++c) prob[c] = c >= key_begin && c < key_end ? prob[c] : 0.f;
+      for (int c = 0; c < kCols; ++c) prob[c] = key0 + c < key_limit ? prob[c] : 0.f;
     }
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) ds[c] = prob[c] * (ds[c] - row.d);
@@ -379,18 +380,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   const int tid = thread_index<Traits::kNThreads>();
   const int warp = tid / 32;
   const int keys_left = p.seqlen_k - n_block * kBlockN;
-  // The query blocks with a row that sees a key of this block, and those that need no mask.
-  const BlockRange queries = mask_policy(p).query_blocks<kBlockM, kBlockN>(n_block);
+  // Query blocks with a row that sees a key of this block (causal: query i sees keys j <= i + shift).
+  const int m_block_max = ceil_div(p.seqlen_q, kBlockM);
+  const int m_block_min = p.causal ? max(0, n_block * kBlockN - (p.seqlen_k - p.seqlen_q)) / kBlockM : 0;
 
-  const auto gQ = head_rows<kBlockM, kHeadDim, half_t const>(p.q, batch, head);
-  const auto gdO = head_rows<kBlockM, kHeadDim, half_t const>(p.dout, batch, head);
+  const auto gQ = head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.q), batch * p.q_batch_stride,
+                                               head * p.q_head_stride, p.q_row_stride);
+  const auto gdO = head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.dout), batch * p.do_batch_stride,
+                                                head * p.do_head_stride, p.do_row_stride);
   // block(i) of gQ, gdO: (kBlockM, kHeadDim)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
-  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim, half_t const>(p.k, batch, head_k).block(n_block), sK, keys_left,
-                       p.head_dim, tid);
-  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim, half_t const>(p.v, batch, head_k).block(n_block), sV, keys_left,
-                       p.head_dim, tid);
+  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.k), batch * p.k_batch_stride,
+                                                    head_k * p.k_head_stride, p.k_row_stride)
+                           .block(n_block),
+                       sK, keys_left, p.head_dim, tid);
+  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.v), batch * p.v_batch_stride,
+                                                    head_k * p.v_head_stride, p.v_row_stride)
+                           .block(n_block),
+                       sV, keys_left, p.head_dim, tid);
 
   using KeyTiles = typename Traits::KeyTiles;
   constexpr bool kSplit = Traits::kSplitKeyProducts;
@@ -432,8 +440,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     Traits::CopyQ::store(q_src, sQ, tid);
     Traits::CopyQ::store(do_src, sdO, tid);
   };
-  if ((Traits::kLoadAhead || Traits::kPingPong) && !queries.empty()) {
-    load_step(queries.begin, q_regs, do_regs);
+  if ((Traits::kLoadAhead || Traits::kPingPong) && m_block_min < m_block_max) {
+    load_step(m_block_min, q_regs, do_regs);
     if constexpr (Traits::kPingPong) store_step(Traits::buffers(smem, 0), q_regs, do_regs);
   }
 
@@ -470,14 +478,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   };
 
   int which = 0;  // the region holding the step's Q and dO (always 0 without kPingPong)
-  const int row_in_block = tid / Traits::kThreadsPerRow;                     // the calling thread's in probs_and_grads
-  RowStats row_ahead(p, row_stats, queries.begin * kBlockM + row_in_block);  // kLoadAhead: the coming step's
-  for (int m_block = queries.begin; m_block < queries.end; ++m_block) {
+  const int row_in_block = tid / Traits::kThreadsPerRow;                   // the calling thread's in probs_and_grads
+  RowStats row_ahead(p, row_stats, m_block_min * kBlockM + row_in_block);  // kLoadAhead: the coming step's
+  for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
     // No warp still reads the previous Q, dO, P, dS or its staging tile; with kPingPong, this step's Q
     // and dO are in place.
     __syncthreads();
     const auto buf = Traits::buffers(smem, which);
-    const bool has_next = m_block + 1 < queries.end;
+    const bool has_next = m_block + 1 < m_block_max;
     const int m_next = m_block + 1;  // if has_next
     if constexpr (Traits::kLoadAhead) {
       store_step(buf, q_regs, do_regs);
@@ -538,17 +546,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   }
 
   // dK = scale dS^T Q and dV, in the input dtype; a key block that no query sees gets zeros.
-  auto* dk = p.dk.at<half_t>(batch, head);
-  auto* dv = p.dv.at<half_t>(batch, head);
+  auto* dk = static_cast<half_t*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride;
+  auto* dv = static_cast<half_t*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride;
   const int row0 = n_block * kBlockN + key_tiles.row * 16;
   key_tiles.for_each([&](int i, int col0) {
     if (has_dk) {
       store_tile_fp16(acc_dk[i], p.softmax_scale * exp2f_int(-ds_exp), stage,
-                      dk + int64_t(row0) * p.dk.row_stride + col0, p.dk.row_stride, p.seqlen_k - row0,
+                      dk + int64_t(row0) * p.dk_row_stride + col0, p.dk_row_stride, p.seqlen_k - row0,
                       p.head_dim - col0);
     }
     if (has_dv) {
-      store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv.row_stride + col0, p.dv.row_stride,
+      store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv_row_stride + col0, p.dv_row_stride,
                       p.seqlen_k - row0, p.head_dim - col0);
     }
   });
@@ -583,18 +591,24 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   const int warp = tid / 32;
   const int rows_left = p.seqlen_q - m_block * kBlockM;
 
-  const auto gK = head_rows<kBlockN, kHeadDim, half_t const>(p.k, batch, head_k);
-  const auto gV = head_rows<kBlockN, kHeadDim, half_t const>(p.v, batch, head_k);
+  const auto gK = head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.k), batch * p.k_batch_stride,
+                                               head_k * p.k_head_stride, p.k_row_stride);
+  const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.v), batch * p.v_batch_stride,
+                                               head_k * p.v_head_stride, p.v_row_stride);
   // block(i) of gK, gV: (kBlockN, kHeadDim)
   const auto buf = Traits::buffers(smem, 0);
   Tensor sQ = make_tensor(make_smem_ptr(buf.q), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(buf.dout), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
-  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim, half_t const>(p.q, batch, head).block(m_block), sQ, rows_left,
-                      p.head_dim, tid);
-  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim, half_t const>(p.dout, batch, head).block(m_block), sdO, rows_left,
-                      p.head_dim, tid);
+  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.q), batch * p.q_batch_stride,
+                                                   head * p.q_head_stride, p.q_row_stride)
+                          .block(m_block),
+                      sQ, rows_left, p.head_dim, tid);
+  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.dout), batch * p.do_batch_stride,
+                                                   head * p.do_head_stride, p.do_row_stride)
+                          .block(m_block),
+                      sdO, rows_left, p.head_dim, tid);
   const RowStats row(p, (int64_t(batch) * p.nheads + head) * p.seqlen_q,
                      m_block * kBlockM + tid / Traits::kThreadsPerRow);
 
@@ -608,8 +622,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   auto const* ds_lo = reinterpret_cast<__half const*>(smem.ds_lo.data());
   auto const* s_k = reinterpret_cast<__half const*>(smem.k.data());
 
-  const BlockRange keys = mask_policy(p).key_blocks<kBlockM, kBlockN>(m_block);
-  for (int n_block = keys.begin; n_block < keys.end; ++n_block) {
+  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
+  for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
     __syncthreads();  // no warp still reads the previous K, V or dS
     const int keys_left = p.seqlen_k - n_block * kBlockN;
     Traits::CopyKV::copy(gK.block(n_block), sK, keys_left, p.head_dim, tid);
@@ -624,11 +638,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   __syncthreads();  // the staging tiles alias the scratch
 
   float* stage = Traits::stage(smem, warp);
-  auto* dq = p.dq.at<half_t>(batch, head);
+  auto* dq = static_cast<half_t*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
   const int row0 = m_block * kBlockM + query_tiles.row * 16;
   query_tiles.for_each([&](int i, int col0) {
-    store_tile_fp16(acc_dq[i], p.softmax_scale * exp2f_int(-ds_exp), stage, dq + int64_t(row0) * p.dq.row_stride + col0,
-                    p.dq.row_stride, p.seqlen_q - row0, p.head_dim - col0);
+    store_tile_fp16(acc_dq[i], p.softmax_scale * exp2f_int(-ds_exp), stage, dq + int64_t(row0) * p.dq_row_stride + col0,
+                    p.dq_row_stride, p.seqlen_q - row0, p.head_dim - col0);
   });
 }
 

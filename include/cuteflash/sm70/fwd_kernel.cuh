@@ -13,7 +13,7 @@
 // and O = O / l at the end.
 #pragma once
 
-#include "cuteflash/mask.cuh"
+#include "cuteflash/block_info.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/sm70/wmma.cuh"
 
@@ -108,9 +108,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   const int row_in_block = warp * kWarpRows + my_row;
   const int q_row = m_block * kBlockM + row_in_block;
 
-  const auto gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, batch, head);
-  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, batch, head_k);
-  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, batch, head_k);
+  const auto gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
+                                               head * p.q_head_stride, p.q_row_stride);
+  const auto gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
+                                               head_k * p.k_head_stride, p.k_row_stride);
+  const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
+                                               head_k * p.v_head_stride, p.v_row_stride);
   // block(i) of gQ: (kBlockM, kHeadDim); of gK, gV: (kBlockN, kHeadDim)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});   // (kBlockM, kHeadDim)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
@@ -122,12 +125,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
 
   Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
 
-  // Key blocks [0, keys.end), masked from keys.unmasked_end on. mask_policy() bounds no row on the left, so
-  // keys.begin and keys.unmasked_begin are 0 and a row's keys end at key_limit; a left window edge would add
-  // masked blocks at the start (the kernel that tested both sides ran up to 8 % slower at d=256, H100).
-  const MaskPolicy mask = mask_policy(p);
-  const BlockRange keys = mask.key_blocks<kBlockM, kBlockN>(m_block);
-  const int key_limit = mask.key_end(q_row);  // keys < key_limit are visible to my row
+  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
+  const int causal_limit = p.causal ? q_row + p.seqlen_k - p.seqlen_q + 1 : p.seqlen_k;
+  const int key_limit = min(p.seqlen_k, causal_limit);  // keys < key_limit are visible to my row
 
   // The row (within its 16x16 tile) of each element of an accumulator fragment, learned from a tile of
   // row numbers.
@@ -162,13 +162,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   // after the barrier that frees its buffer, so the loop keeps two barriers per block.
   auto kv_regs = Traits::CopyKV::make_regs();
   auto keys_left = [&](int n_block) { return p.seqlen_k - n_block * kBlockN; };
-  if (!keys.empty()) {
+  if (keys.n_block_max > 0) {
     Traits::CopyKV::copy(gK.block(0), sK, keys_left(0), p.head_dim, tid);
     Traits::CopyKV::load(gV.block(0), kv_regs, keys_left(0), p.head_dim, tid);
   }
 
-  for (int n_block = 0; n_block < keys.end; ++n_block) {
-    const bool has_next = n_block + 1 < keys.end;
+  for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
+    const bool has_next = n_block + 1 < keys.n_block_max;
     __syncthreads();  // K(n) is in sK; no warp still reads sV
     Traits::CopyKV::store(kv_regs, sV, tid);
 
@@ -220,14 +220,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
       s[4 * i + 2] = v.z;
       s[4 * i + 3] = v.w;
     }
-    __syncwarp();                        // every lane holds its S: P takes its place
-    if (n_block >= keys.unmasked_end) {  // a block with keys past the end or past some row's limit
+    __syncwarp();                                // every lane holds its S: P takes its place
+    if (n_block >= keys.n_block_first_masked) {  // a block with keys past the end or past a causal limit
       CUTE_UNROLL
       for (int i = 0; i < kQuads; ++i) {
         CUTE_UNROLL
         for (int e = 0; e < 4; ++e) {
-          const int key = col0 + 4 * ((i + my_rotation) % kQuads) + e;
-          if (key >= key_limit) s[4 * i + e] = -INFINITY;
+          if (col0 + 4 * ((i + my_rotation) % kQuads) + e >= key_limit) s[4 * i + e] = -INFINITY;
         }
       }
     }
@@ -305,7 +304,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   const bool empty = l == 0.f;  // no visible key: O = 0, lse = +inf (as the sm80 kernel)
   if (my_half == 0) alpha_rows[my_row] = empty ? 0.f : 1.f / l;
   __syncwarp();
-  auto* out = p.o.at<Element>(batch, head);
+  auto* out = static_cast<Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
   CUTE_UNROLL
   for (int t = 0; t < kRowTiles; ++t) {
     float inv_of[kFragElems];
@@ -316,7 +315,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
     for (int j = 0; j < kHeadDim / 16; ++j) {
       CUTE_UNROLL
       for (int i = 0; i < kFragElems; ++i) acc_o[t][j].x[i] *= inv_of[i];
-      store_tile_fp16(acc_o[t][j], 1.f, scratch, out + int64_t(row0) * p.o.row_stride + j * 16, p.o.row_stride,
+      store_tile_fp16(acc_o[t][j], 1.f, scratch, out + int64_t(row0) * p.o_row_stride + j * 16, p.o_row_stride,
                       p.seqlen_q - row0, p.head_dim - j * 16);
     }
   }

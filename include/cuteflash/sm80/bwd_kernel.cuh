@@ -56,7 +56,9 @@ __device__ __forceinline__ void load_row_stats(BwdParams const& p, int64_t row_s
 // The (kRows, kHeadDim) tile of dq that query block m_block writes.
 template <int kRows, int kHeadDim, typename Element>
 __device__ __forceinline__ auto dq_tile(BwdParams const& p, int batch, int head, int m_block) {
-  return head_rows<kRows, kHeadDim, Element>(p.dq, batch, head).block(m_block);
+  return head_rows<kRows, kHeadDim>(static_cast<Element*>(p.dq), batch * p.dq_batch_stride, head * p.dq_head_stride,
+                                    p.dq_row_stride)
+      .block(m_block);
 }
 
 // How many consecutive dQ accumulator elements a thread adds with one reduction: sm90 has 16-byte ones,
@@ -94,14 +96,31 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   const int head_k = head / (p.nheads / p.nheads_k);
   const int tid = threadIdx.x;
   const int keys_left = p.seqlen_k - n_block * kBlockN;
-  // The query blocks with a row that sees a key of this block, and those that need no mask.
-  const BlockRange queries = mask_policy(p).query_blocks<kBlockM, kBlockN>(n_block);
+  const int shift = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + shift
 
-  const auto gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, batch, head);
-  const auto gdO = head_rows<kBlockM, kHeadDim, Element const>(p.dout, batch, head);
+  // Query blocks with a row that sees a key of this block, and the first from which no row needs a mask.
+  const int m_block_max = ceil_div(p.seqlen_q, kBlockM);
+  int m_block_min = 0;
+  int m_block_first_unmasked = 0;
+  if (p.causal) {
+    m_block_min = max(0, n_block * kBlockN - shift) / kBlockM;
+    int first_full_row = (n_block + 1) * kBlockN - 1 - shift;  // sees every key of the block
+    m_block_first_unmasked = first_full_row <= 0 ? 0 : ceil_div(first_full_row, kBlockM);
+  }
+  if (keys_left < kBlockN) m_block_first_unmasked = m_block_max;  // keys past seqlen_k in every step
+  m_block_first_unmasked = max(m_block_min, min(m_block_first_unmasked, m_block_max));
+
+  const auto gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
+                                               head * p.q_head_stride, p.q_row_stride);
+  const auto gdO = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.dout), batch * p.do_batch_stride,
+                                                head * p.do_head_stride, p.do_row_stride);
   // block(i) of gQ, gdO: (kBlockM, kHeadDim)
-  Tensor gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, batch, head_k).block(n_block);
-  Tensor gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, batch, head_k).block(n_block);
+  Tensor gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
+                                           head_k * p.k_head_stride, p.k_row_stride)
+                  .block(n_block);
+  Tensor gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
+                                           head_k * p.v_head_stride, p.v_row_stride)
+                  .block(n_block);
   // gK, gV: (kBlockN, kHeadDim)
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
 
@@ -129,12 +148,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKVcKV, keys_left, p.head_dim);
   copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKVcKV, keys_left, p.head_dim);
-  // A whole query block without a head-dim remainder loads without bounds checks
+  // Every query block but the last is full: without a head-dim remainder it loads without bounds checks
   // (whose zero-filling stores nvcc would otherwise issue, predicated off, in every step).
   const bool full_head_dim = p.head_dim == kHeadDim;
   auto load_rows = [&](auto const& rows, auto&& dst, int m_block) {
     Tensor src = gmem_thr.partition_S(rows.block(m_block));  // (CPY, CPY_M, CPY_K)
-    if (full_head_dim && (m_block + 1) * kBlockM <= p.seqlen_q) {
+    if (full_head_dim && m_block < m_block_max - 1) {
       copy(gmem_copy, src, dst);
     } else {
       copy_tile_bounded<true>(gmem_copy, src, dst, tQcQ, p.seqlen_q - m_block * kBlockM, p.head_dim);
@@ -144,9 +163,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
     load_rows(gQ, make_tensor(tQsQ.data() + stage * kQSize, tQsQ.layout()), m_block);
   };
   auto load_do = [&](int m_block) { load_rows(gdO, tdOsdO, m_block); };
-  if (!queries.empty()) {
-    load_q(queries.begin, 0);
-    load_do(queries.begin);
+  if (m_block_min < m_block_max) {
+    load_q(m_block_min, 0);
+    load_do(m_block_min);
   }
   cp_async_commit();
 
@@ -209,8 +228,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   // kernel: at head dim 256 nvcc does not inline such a lambda, and every fragment it captures goes to
   // local memory.
   int q_stage = 0;
-  for (int m_block = queries.begin; m_block < queries.end; ++m_block) {
-    const bool has_next = m_block + 1 < queries.end;
+  for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+    const bool has_next = m_block + 1 < m_block_max;
     cp_async_wait<0>();
     __syncthreads();  // Q and dO of this block (and K, V) are in shared memory
 
@@ -227,8 +246,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
 
     // P, in place; rows past seqlen_q get lse = +inf: P = 0.
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
-    if (queries.masked(m_block)) {
-      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p));
+    if (m_block < m_block_first_unmasked) {
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
     }
     scores_to_probs(s, lse_log2, p.softmax_scale_log2);
     copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_s)), tPsP);
@@ -279,8 +298,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   cp_async_wait<0>();
 
   // ---- Epilogue: dK and dV through the shared memory of K and V; a key block no query sees gets zeros.
-  Tensor gdK = head_rows<kBlockN, kHeadDim, Element>(p.dk, batch, head).block(n_block);
-  Tensor gdV = head_rows<kBlockN, kHeadDim, Element>(p.dv, batch, head).block(n_block);
+  Tensor gdK = head_rows<kBlockN, kHeadDim>(static_cast<Element*>(p.dk), batch * p.dk_batch_stride,
+                                            head * p.dk_head_stride, p.dk_row_stride)
+                   .block(n_block);
+  Tensor gdV = head_rows<kBlockN, kHeadDim>(static_cast<Element*>(p.dv), batch * p.dv_batch_stride,
+                                            head * p.dv_head_stride, p.dv_row_stride)
+                   .block(n_block);
   __syncthreads();  // no warp reads K or V any more
   using Fwd = typename Traits::Fwd;
   store_acc_tile<Fwd, kBlockN>(acc_dk, mma_dkv, smem.k.data(), gdK, keys_left, p.head_dim);
@@ -342,10 +365,16 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   const int tid = threadIdx.x;
   const int rows_left = p.seqlen_q - m_block * kBlockM;
 
-  Tensor gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, batch, head).block(m_block);
-  Tensor gdO = head_rows<kBlockM, kHeadDim, Element const>(p.dout, batch, head).block(m_block);
-  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, batch, head_k);
-  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, batch, head_k);
+  Tensor gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
+                                           head * p.q_head_stride, p.q_row_stride)
+                  .block(m_block);
+  Tensor gdO = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.dout), batch * p.do_batch_stride,
+                                            head * p.do_head_stride, p.do_row_stride)
+                   .block(m_block);
+  const auto gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
+                                               head_k * p.k_head_stride, p.k_row_stride);
+  const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
+                                               head_k * p.v_head_stride, p.v_row_stride);
   // gQ, gdO: (kBlockM, kHeadDim); block(i) of gK, gV: (kBlockN, kHeadDim)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});      // (kBlockM, kHeadDim)
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
@@ -356,8 +385,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
 
   // A block that sees no key (causal, seqlen_q > seqlen_k) has dQ = 0 and loads nothing: the epilogue
   // reuses sQ, which a Q copy still in flight (awaited only inside the key loop) would overwrite.
-  const BlockRange keys = mask_policy(p).key_blocks<kBlockM, kBlockN>(m_block);
-  if (keys.empty()) {
+  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
+  if (keys.n_block_max == 0) {
     store_zero_tile<Traits>(sQ, gdQ, rows_left, p.head_dim);
     return;
   }
@@ -398,7 +427,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   float lse_log2[kRows], d_row[kRows];
   load_row_stats(p, (int64_t(batch) * p.nheads + head) * p.seqlen_q, m_block * kBlockM, tScS_rc, lse_log2, d_row);
 
-  for (int n_block = keys.end - 1; n_block >= keys.begin; --n_block) {
+  for (int n_block = keys.n_block_max - 1; n_block >= 0; --n_block) {
     __syncthreads();  // no warp still reads the previous K and V
     int keys_left = p.seqlen_k - n_block * kBlockN;
     copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gK.block(n_block)), tKsK, tKVcKV, keys_left, p.head_dim);
@@ -415,8 +444,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
     gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, tiled_mma, copy_a, thr_a, copy_b, thr_b);
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-    if (keys.masked(n_block)) {
-      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p));
+    if (n_block >= keys.n_block_first_masked) {
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
     }
     scores_to_probs(s, lse_log2, p.softmax_scale_log2);
     probs_to_grads(s, dp, d_row, p.softmax_scale);

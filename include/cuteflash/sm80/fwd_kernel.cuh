@@ -7,6 +7,7 @@
 // K of the next block loads while the softmax and P V of this one run; V loads while S is computed.
 #pragma once
 
+#include "cuteflash/block_info.cuh"
 #include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/softmax.cuh"
@@ -113,10 +114,16 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   const int tid = threadIdx.x;
   const int rows_left = p.seqlen_q - m_block * kBlockM;
 
-  Tensor gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, batch, head).block(m_block);
-  Tensor gO = head_rows<kBlockM, kHeadDim, Element>(p.o, batch, head).block(m_block);
-  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, batch, head_k);
-  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, batch, head_k);
+  Tensor gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
+                                           head * p.q_head_stride, p.q_row_stride)
+                  .block(m_block);
+  Tensor gO = head_rows<kBlockM, kHeadDim>(static_cast<Element*>(p.o), batch * p.o_batch_stride, head * p.o_head_stride,
+                                           p.o_row_stride)
+                  .block(m_block);
+  const auto gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
+                                               head_k * p.k_head_stride, p.k_row_stride);
+  const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
+                                               head_k * p.v_head_stride, p.v_row_stride);
   // gQ, gO: (kBlockM, kHeadDim); block(i) of gK, gV: (kBlockN, kHeadDim)
   float* lse = p.lse + (int64_t(batch) * p.nheads + head) * p.seqlen_q + m_block * kBlockM;
 
@@ -126,13 +133,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});   // (kBlockN, kHeadDim)
   Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});  // (kHeadDim, kBlockN)
 
-  // Key blocks [0, keys.end): the masked ones from keys.unmasked_end on, visited first, then the rest
-  // without a mask. mask_policy() bounds no row on the left, so keys.begin and keys.unmasked_begin are 0;
-  // a left window edge would add masked blocks below keys.unmasked_begin. Two plain loops: one loop with a
-  // branch per step spilled more and ran 5-7 % slower (H100, fp16). The policy is rebuilt from p where it
-  // is needed rather than kept in registers.
-  const BlockRange keys = mask_policy(p).key_blocks<kBlockM, kBlockN>(m_block);
-  if (keys.empty()) {
+  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
+  if (keys.n_block_max == 0) {
     store_empty_block<Traits>(sO, gO, lse, p, rows_left);
     return;
   }
@@ -146,11 +148,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   Tensor tVsV = gmem_thr.partition_D(sV);
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // Every key block but the last is whole, so it loads without bounds checks when the head dim fills
+  // Every key block but the last is full, so it loads without bounds checks when the head dim fills
   // the tile (5 % faster on H200).
   auto load_kv = [&](auto const& rows, auto& tDst, int n_block) {
     Tensor tSrc = gmem_thr.partition_S(rows.block(n_block));  // (CPY, CPY_N, CPY_K)
-    if (n_block < keys.end - 1 && p.head_dim == kHeadDim) {
+    if (n_block < keys.n_block_max - 1 && p.head_dim == kHeadDim) {
       copy(gmem_copy, tSrc, tDst);
     } else {
       copy_tile_bounded<true>(gmem_copy, tSrc, tDst, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
@@ -158,7 +160,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     cp_async_commit();
   };
 
-  int n_block = keys.end - 1;
+  int n_block = keys.n_block_max - 1;
   copy_tile_bounded<true>(gmem_copy, tQgQ, tQsQ, tQcQ, rows_left, p.head_dim);
   load_kv(gK, tKsK, n_block);
 
@@ -198,7 +200,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_thr_q, smem_copy_k, smem_thr_k);
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
     if constexpr (decltype(masked)::value) {
-      apply_mask<false>(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p));
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
     }
 
     cp_async_wait<0>();
@@ -210,7 +212,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));  // (MMA, MMA_M, MMA_K over keys)
     gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
   };
-  for (; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{});
+  for (; n_block >= keys.n_block_first_masked; --n_block) step(n_block, cute::true_type{});
   for (; n_block >= 0; --n_block) step(n_block, cute::false_type{});
 
   // ---- Epilogue: O /= l, lse = m * scale + log(l); O goes through shared memory for 16-byte stores.
