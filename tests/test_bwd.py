@@ -149,10 +149,11 @@ def test_backward_rows_without_keys(
     dout = torch.randn_like(q)
     ref = reference_grads(q, k, v, dout, True, torch.float64)
     pt = reference_grads(q, k, v, dout, True, dtype)
+    dkv_per_query_head = q.new_empty(q.shape[0], seqlen_k, *q.shape[2:])  # the kernels' dk and dv, before GQA's sums
     runs = []
     for _ in range(3):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        poison_cache(q, q, k, k)  # dq and dk/dv of the next call start as NaN
+        poison_cache(q, dkv_per_query_head, dkv_per_query_head)  # dq, dk and dv of the next call start as NaN
         flash_attn_func(*leaves, causal=True, deterministic=deterministic).backward(dout)
         grads = [t.grad for t in leaves]
         for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref, pt):

@@ -136,7 +136,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--csv", metavar="PATH", help="write the results as CSV")
     p.add_argument("--plot", metavar="PATH", help="PNG of TFLOP/s against seqlen per implementation (matplotlib)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.peers = [name for name in args.peers.split(",") if name]
+    unknown = sorted(set(args.peers) - set(SDPA_BACKENDS))
+    if unknown:
+        p.error(f"--peers: unknown backend(s) {', '.join(unknown)}; choose from {', '.join(SDPA_BACKENDS)}")
+    return args
 
 
 def kernel_head_dim(head_dim: int, compiled) -> int | None:
@@ -230,12 +235,8 @@ def _implementations(case: Case, args):
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
         "math": SDPBackend.MATH,
     }
-    peers = [name for name in args.peers.split(",") if name]
-    unknown = sorted(set(peers) - set(backends))
-    if unknown:
-        raise SystemExit(f"--peers: unknown backend(s) {', '.join(unknown)}; choose from {', '.join(backends)}")
     impls = {"cuteflash": (contextlib.nullcontext, cuteflash_fwd)}
-    impls.update({name: (lambda b=b: sdpa_kernel(b), sdpa_fwd) for name, b in backends.items() if name in peers})
+    impls.update({name: (lambda b=b: sdpa_kernel(b), sdpa_fwd) for name, b in backends.items() if name in args.peers})
     return impls
 
 
