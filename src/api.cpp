@@ -1,7 +1,7 @@
 // The pybind11 module cuteflash._C. It takes raw device pointers, sizes, strides, dtype codes and the
 // CUDA stream as plain integers, so it neither includes nor links libtorch: one build serves every
-// torch version. Python (python/cuteflash/_ops.py) validates the tensors first; the checks here guard
-// what would otherwise be out-of-bounds memory access.
+// torch version. Python (python/cuteflash/_ops.py) validates the tensors first and calls with keyword
+// arguments; the checks here guard what would otherwise be out-of-bounds memory access.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cuteflash/dispatch.h"
+#include "cuteflash/mask.h"
 #include "cuteflash/tile_config.h"
 
 namespace py = pybind11;
@@ -18,7 +19,7 @@ namespace py = pybind11;
 namespace cuteflash {
 namespace {
 
-using Strides = std::array<int64_t, 3>;  // (batch, row, head), in elements
+constexpr char const* kDTypeNames[] = {"float16", "bfloat16"};
 
 Family parse_family(std::string const& name) {
   if (name == "sm70") return Family::kSm70;
@@ -26,55 +27,51 @@ Family parse_family(std::string const& name) {
   throw std::invalid_argument("cuteflash: unknown kernel family '" + name + "' (expected 'sm70' or 'sm80')");
 }
 
+char const* family_name(Family family) { return family == Family::kSm70 ? "sm70" : "sm80"; }
+
 void require(bool ok, std::string const& what) {
   if (!ok) throw std::invalid_argument("cuteflash: " + what);
 }
 
-void check_operand(char const* name, uintptr_t ptr, Strides const& s) {
+void check_operand(char const* name, Operand const& t) {
   std::string n(name);
+  const auto ptr = reinterpret_cast<uintptr_t>(t.ptr);
   require(ptr != 0, n + " is a null pointer");
   // cp.async and the 16-byte epilogue stores move 8 elements at a time.
   require(ptr % 16 == 0, n + " must be 16-byte aligned");
-  for (int64_t stride : s) require(stride >= 0 && stride % 8 == 0, n + " strides must be non-negative multiples of 8");
+  for (int64_t stride : {t.batch_stride, t.row_stride, t.head_stride}) {
+    require(stride >= 0 && stride % 8 == 0, n + " strides must be non-negative multiples of 8");
+  }
   // Offsets inside a block of rows are 32-bit (HeadRows, utils.cuh): 2^24 x 128 rows stays below 2^31.
-  require(s[1] < (int64_t(1) << 24), n + " row stride must be below 2^24 elements (pass a contiguous tensor)");
-}
-
-void set_strides(Strides const& s, int64_t& batch, int64_t& row, int64_t& head) {
-  batch = s[0];
-  row = s[1];
-  head = s[2];
+  require(t.row_stride < (int64_t(1) << 24), n + " row stride must be below 2^24 elements (pass a contiguous tensor)");
 }
 
 // Checks the arguments shared by both directions (those the kernels would read out of bounds with) and
 // fills the forward's params. Returns false when there is nothing to compute.
-bool fill_fwd_params(FwdParams& p, DType dtype, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse,
-                     Strides const& q_strides, Strides const& k_strides, Strides const& v_strides,
-                     Strides const& out_strides, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
+bool fill_fwd_params(FwdParams& p, DType dtype, Operand const& q, Operand const& k, Operand const& v,
+                     Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
                      int head_dim, float softmax_scale, bool causal, bool fp16_correction) {
   require(dtype == DType::kFloat16 || dtype == DType::kBFloat16, "unknown dtype code");
   require(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "sizes must be non-negative");
+  require(seqlen_q < MaskPolicy::kMaxSeqlen && seqlen_k < MaskPolicy::kMaxSeqlen,
+          "seqlen_q and seqlen_k must be below 2^30");
   require(nheads >= 1 && nheads_k >= 1 && nheads % nheads_k == 0, "nheads must be a multiple of nheads_k");
   require(nheads <= 65535 && batch <= 65535, "batch and nheads must be at most 65535");
   require(head_dim >= 8 && head_dim % 8 == 0, "head_dim must be a positive multiple of 8 (pad it)");
   require(round_up_head_dim(head_dim) > 0, "head_dim must be at most 256");
   require(softmax_scale > 0.f, "softmax_scale must be positive");
   if (batch == 0 || seqlen_q == 0) return false;
-  check_operand("q", q, q_strides);
-  check_operand("k", k, k_strides);
-  check_operand("v", v, v_strides);
-  check_operand("out", out, out_strides);
+  check_operand("q", q);
+  check_operand("k", k);
+  check_operand("v", v);
+  check_operand("out", out);
   require(lse != 0 && lse % 4 == 0, "softmax_lse must be an aligned float32 buffer");
 
-  p.q = reinterpret_cast<void const*>(q);
-  p.k = reinterpret_cast<void const*>(k);
-  p.v = reinterpret_cast<void const*>(v);
-  p.o = reinterpret_cast<void*>(out);
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.o = out;
   p.lse = reinterpret_cast<float*>(lse);
-  set_strides(q_strides, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
-  set_strides(k_strides, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
-  set_strides(v_strides, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
-  set_strides(out_strides, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
   p.batch = batch;
   p.nheads = nheads;
   p.nheads_k = nheads_k;
@@ -89,69 +86,84 @@ bool fill_fwd_params(FwdParams& p, DType dtype, uintptr_t q, uintptr_t k, uintpt
 }
 
 template <typename Fn>
-Fn require_kernel(Fn launch, Family family, std::string const& family_name, char const* direction, int head_dim) {
-  require(launch != nullptr, std::string("no ") + family_name + " " + direction + " kernel for head dim " +
+Fn require_kernel(Fn launch, Family family, char const* direction, int head_dim) {
+  const std::string name = family_name(family);
+  require(launch != nullptr, "no " + name + " " + direction + " kernel for head dim " +
                                  std::to_string(round_up_head_dim(head_dim)) +
                                  " and this dtype was compiled in; rebuild with CUTEFLASH_HEADDIMS / CUTEFLASH_DTYPES "
                                  "/ CUTEFLASH_DIRECTIONS including it");
   if (!family_runs(family)) {
-    throw std::runtime_error("cuteflash: the " + family_name +
+    throw std::runtime_error("cuteflash: the " + name +
                              " kernels were not compiled for this GPU (or no CUDA GPU is usable); rebuild with "
                              "TORCH_CUDA_ARCH_LIST naming its compute capability");
   }
   return launch;
 }
 
-void fwd(std::string const& family_name, int dtype_code, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
-         uintptr_t lse, Strides q_strides, Strides k_strides, Strides v_strides, Strides out_strides, int batch,
-         int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale, bool causal,
-         bool fp16_correction, uintptr_t stream) {
+void fwd(std::string const& family_name, int dtype_code, Operand const& q, Operand const& k, Operand const& v,
+         Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
+         int head_dim, float softmax_scale, bool causal, bool fp16_correction, uintptr_t stream) {
   Family family = parse_family(family_name);
   FwdParams p{};
-  if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, batch,
-                       nheads, nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, causal, fp16_correction)) {
+  if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
+                       softmax_scale, causal, fp16_correction)) {
     return;
   }
-  FwdFn launch = require_kernel(find_fwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family, family_name,
-                                "forward", head_dim);
+  FwdFn launch =
+      require_kernel(find_fwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family, "forward", head_dim);
   launch(p, reinterpret_cast<cudaStream_t>(stream));
 }
 
-void bwd(std::string const& family_name, int dtype_code, uintptr_t dout, uintptr_t q, uintptr_t k, uintptr_t v,
-         uintptr_t out, uintptr_t lse, uintptr_t dq, uintptr_t dq_accum, uintptr_t d_rowsum, uintptr_t dk, uintptr_t dv,
-         Strides dout_strides, Strides q_strides, Strides k_strides, Strides v_strides, Strides out_strides,
-         Strides dq_strides, Strides dk_strides, Strides dv_strides, int batch, int nheads, int nheads_k, int seqlen_q,
-         int seqlen_k, int head_dim, float softmax_scale, bool causal, bool fp16_correction, bool deterministic,
-         uintptr_t stream) {
+// What the backward pass needs from its caller besides the gradients: dq_accum's size in floats (params.h),
+// and whether D = rowsum(dO * O) may live in dq's memory. It may where dq is written only by the last
+// kernel, which reads dq_accum (sm80's atomic path); it needs its own buffer where a kernel that reads D
+// also writes dq (the deterministic dQ kernels; sm70's dK/dV kernel, whose last block of a head converts
+// dQ while other blocks still read D).
+py::dict bwd_workspace(std::string const& family_name, int head_dim, int batch, int nheads, int seqlen_q,
+                       bool deterministic) {
+  const Family family = parse_family(family_name);
+  const int kernel_head_dim = round_up_head_dim(head_dim);
+  require(kernel_head_dim > 0, "head_dim must be at most 256");
+  py::dict w;
+  w["dq_accum_floats"] = dq_accum_floats(batch, nheads, seqlen_q, kernel_head_dim, deterministic);
+  w["d_rowsum_in_dq"] = family == Family::kSm80 && !deterministic;
+  return w;
+}
+
+void bwd(std::string const& family_name, int dtype_code, Operand const& dout, Operand const& q, Operand const& k,
+         Operand const& v, Operand const& out, uintptr_t lse, Operand const& dq, uintptr_t dq_accum,
+         int64_t dq_accum_floats_given, uintptr_t d_rowsum, Operand const& dk, Operand const& dv, int batch, int nheads,
+         int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale, bool causal, bool fp16_correction,
+         bool deterministic, uintptr_t stream) {
   Family family = parse_family(family_name);
   BwdParams p{};
-  if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, q_strides, k_strides, v_strides, out_strides, batch,
-                       nheads, nheads_k, seqlen_q, seqlen_k, head_dim, softmax_scale, causal, fp16_correction) ||
+  if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
+                       softmax_scale, causal, fp16_correction) ||
       seqlen_k == 0) {
     return;
   }
-  check_operand("dout", dout, dout_strides);
-  check_operand("dk", dk, dk_strides);
-  check_operand("dv", dv, dv_strides);
+  check_operand("dout", dout);
+  check_operand("dk", dk);
+  check_operand("dv", dv);
+  check_operand("dq", dq);
   require(d_rowsum != 0 && d_rowsum % 4 == 0, "d_rowsum must be an aligned float32 buffer");
-  check_operand("dq", dq, dq_strides);
-  if (!deterministic) {
+  const int64_t needed = dq_accum_floats(batch, nheads, seqlen_q, round_up_head_dim(head_dim), deterministic);
+  if (needed > 0) {
     require(dq_accum != 0 && dq_accum % 16 == 0, "dq_accum must be an aligned float32 buffer");
+    require(dq_accum_floats_given >= needed, "dq_accum holds " + std::to_string(dq_accum_floats_given) +
+                                                 " floats; the pass needs " + std::to_string(needed) +
+                                                 " (bwd_workspace)");
   }
-  p.dout = reinterpret_cast<void const*>(dout);
-  p.dk = reinterpret_cast<void*>(dk);
-  p.dv = reinterpret_cast<void*>(dv);
+  p.dout = dout;
+  p.dk = dk;
+  p.dv = dv;
+  p.dq = dq;
   p.dq_accum = reinterpret_cast<float*>(dq_accum);
-  p.dq_accum_rows = (seqlen_q + 127) / 128 * 128;
-  p.dq = reinterpret_cast<void*>(dq);
-  p.deterministic = deterministic;
+  p.dq_accum_rows = dq_accum_rows(seqlen_q);
   p.d_rowsum = reinterpret_cast<float*>(d_rowsum);
-  set_strides(dout_strides, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
-  set_strides(dk_strides, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
-  set_strides(dv_strides, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
-  set_strides(dq_strides, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
-  BwdFn launch = require_kernel(find_bwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family, family_name,
-                                "backward", head_dim);
+  p.deterministic = deterministic;
+  BwdFn launch =
+      require_kernel(find_bwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family, "backward", head_dim);
   launch(p, reinterpret_cast<cudaStream_t>(stream));
 }
 
@@ -163,10 +175,20 @@ py::dict build_info() {
 #ifdef CUTEFLASH_HAS_SM80
   families["sm80"] = CUTEFLASH_SM80_TARGETS;
 #endif
+  py::list kernels;
+  for (KernelInfo const& k : compiled_kernels()) {
+    py::dict entry;
+    entry["family"] = family_name(k.family);
+    entry["direction"] = k.direction;
+    entry["dtype"] = kDTypeNames[int(k.dtype)];
+    entry["head_dim"] = k.head_dim;
+    kernels.append(entry);
+  }
   py::dict info;
   info["families"] = families;
   info["cuda_version"] = CUTEFLASH_CUDA_VERSION;
-  info["kernels"] = compiled_kernels();
+  info["kernels"] = kernels;
+  info["kernel_head_dims"] = std::vector<int>(std::begin(kHeadDims), std::end(kHeadDims));
   return info;
 }
 
@@ -174,21 +196,29 @@ py::dict build_info() {
 }  // namespace cuteflash
 
 PYBIND11_MODULE(_C, m) {
+  using cuteflash::Operand;
   m.doc() = "cuteflash kernels; call them through cuteflash.flash_attn_func, not directly";
-  m.def("fwd", &cuteflash::fwd, py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("out"), py::arg("lse"), py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"),
-        py::arg("out_strides"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"),
-        py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
+  py::class_<Operand>(m, "Operand", "A (batch, seqlen, heads, head_dim) tensor: data pointer and strides in elements")
+      .def(py::init([](uintptr_t ptr, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
+             return Operand{reinterpret_cast<void*>(ptr), batch_stride, row_stride, head_stride};
+           }),
+           py::arg("ptr"), py::arg("batch_stride"), py::arg("row_stride"), py::arg("head_stride"));
+  m.def("fwd", &cuteflash::fwd, py::kw_only(), py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
+        py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("fp16_correction"), py::arg("stream"));
-  m.def("bwd", &cuteflash::bwd, py::arg("family"), py::arg("dtype"), py::arg("dout"), py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dq_accum"), py::arg("d_rowsum"),
-        py::arg("dk"), py::arg("dv"), py::arg("dout_strides"), py::arg("q_strides"), py::arg("k_strides"),
-        py::arg("v_strides"), py::arg("out_strides"), py::arg("dq_strides"), py::arg("dk_strides"),
-        py::arg("dv_strides"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"),
-        py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
-        py::arg("fp16_correction"), py::arg("deterministic"), py::arg("stream"));
+  m.def("bwd_workspace", &cuteflash::bwd_workspace, py::kw_only(), py::arg("family"), py::arg("head_dim"),
+        py::arg("batch"), py::arg("nheads"), py::arg("seqlen_q"), py::arg("deterministic"),
+        "dq_accum's size in floats, and whether D may live in dq's memory, for a backward pass.");
+  m.def("bwd", &cuteflash::bwd, py::kw_only(), py::arg("family"), py::arg("dtype"), py::arg("dout"), py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dq_accum"),
+        py::arg("dq_accum_floats"), py::arg("d_rowsum"), py::arg("dk"), py::arg("dv"), py::arg("batch"),
+        py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"),
+        py::arg("softmax_scale"), py::arg("causal"), py::arg("fp16_correction"), py::arg("deterministic"),
+        py::arg("stream"));
   m.def(
       "family_runs", [](std::string const& family) { return cuteflash::family_runs(cuteflash::parse_family(family)); },
       py::arg("family"), "Whether the family's code in this module runs on the current CUDA device.");
-  m.def("build_info", &cuteflash::build_info, "Families, targets, CUDA version and kernels compiled in.");
+  m.def("build_info", &cuteflash::build_info,
+        "Families and their targets, the CUDA version, the kernels compiled in and the kernel head dims.");
 }

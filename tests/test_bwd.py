@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from cuteflash import flash_attn_func, flash_attn_qkvpacked_func
-from cuteflash._lib import KERNEL_HEAD_DIMS
 
 pytestmark = pytest.mark.gpu
 
@@ -128,7 +127,7 @@ NO_KEY_SEQLENS = [(512, 256), (239, 1), (203, 113), (513, 127)]
 @pytest.mark.slow
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic-dq"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", range(32, 257, 32))  # every kernel head dim
 @pytest.mark.parametrize("seqlen_q,seqlen_k", NO_KEY_SEQLENS)
 def test_backward_rows_without_keys(
     seqlen_q,

@@ -96,22 +96,18 @@ def test_exports_mirror_flash_attn():
 
 
 # The C++ side re-checks what would otherwise be unsafe, for callers that bypass Python's checks.
-def call_c(**overrides):
+def call_c(direction="fwd", **overrides):
     from cuteflash import _lib
 
     C = _lib.compiled_module()
     args = dict(
         family="sm80",
         dtype=0,
-        q=256,
-        k=512,
-        v=768,
-        out=1024,
+        q=(256, (64, 64, 64)),
+        k=(512, (64, 64, 64)),
+        v=(768, (64, 64, 64)),
+        out=(1024, (64, 64, 64)),
         lse=2048,
-        q_strides=(64, 64, 64),
-        k_strides=(64, 64, 64),
-        v_strides=(64, 64, 64),
-        out_strides=(64, 64, 64),
         batch=1,
         nheads=1,
         nheads_k=1,
@@ -124,7 +120,17 @@ def call_c(**overrides):
         stream=0,
     )
     args.update(overrides)
-    C.fwd(**args)
+    if direction == "bwd":
+        for name, ptr in (("dout", 4096), ("dq", 4352), ("dk", 4608), ("dv", 4864)):
+            args.setdefault(name, (ptr, (64, 64, 64)))
+        args = {"dq_accum": 8192, "dq_accum_floats": 1 << 20, "d_rowsum": 6144, "deterministic": False, **args}
+    operands = {
+        name: C.Operand(ptr, *strides)
+        for name, value in args.items()
+        if isinstance(value, tuple)
+        for ptr, strides in [value]
+    }
+    getattr(C, direction)(**{**args, **operands})
 
 
 @pytest.mark.parametrize(
@@ -135,16 +141,49 @@ def call_c(**overrides):
         ({"head_dim": 12}, "multiple of 8"),
         ({"head_dim": 264}, "at most 256"),
         ({"nheads": 6, "nheads_k": 4}, "multiple of nheads_k"),
-        ({"q": 0}, "q is a null pointer"),
-        ({"k": 520}, "k must be 16-byte aligned"),
-        ({"v_strides": (64, 60, 64)}, "v strides"),
+        ({"q": (0, (64, 64, 64))}, "q is a null pointer"),
+        ({"k": (520, (64, 64, 64))}, "k must be 16-byte aligned"),
+        ({"v": (768, (64, 60, 64))}, "v strides"),
         ({"softmax_scale": -1.0}, "softmax_scale"),
+        ({"seqlen_k": 2**30}, "below 2\\^30"),
     ],
 )
 def test_extension_rechecks_raw_arguments(overrides, message):
     pytest.importorskip("cuteflash._C")
     with pytest.raises(ValueError, match=message):
         call_c(**overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"dq": (4360, (64, 64, 64))}, "dq must be 16-byte aligned"),
+        ({"dq_accum_floats": 100}, "dq_accum holds 100 floats; the pass needs"),
+        ({"d_rowsum": 0}, "d_rowsum"),
+    ],
+)
+def test_extension_rechecks_backward_arguments(overrides, message):
+    pytest.importorskip("cuteflash._C")
+    with pytest.raises(ValueError, match=message):
+        call_c("bwd", **overrides)
+
+
+def test_backward_workspace_rule():
+    pytest.importorskip("cuteflash._C")
+    from cuteflash import _lib
+
+    ws = _lib.compiled_module().bwd_workspace
+    # 2 x 3 (batch, head) regions of 256 rows (200 rounded up to 128s) of the 64 kernel (head dim 40), then a count
+    # per (batch, head); none for a deterministic pass, whose dQ kernel also needs D in its own buffer.
+    assert ws(family="sm80", head_dim=40, batch=2, nheads=3, seqlen_q=200, deterministic=False) == {
+        "dq_accum_floats": 2 * 3 * (256 * 64 + 1),
+        "d_rowsum_in_dq": True,
+    }
+    assert ws(family="sm80", head_dim=40, batch=2, nheads=3, seqlen_q=200, deterministic=True) == {
+        "dq_accum_floats": 0,
+        "d_rowsum_in_dq": False,
+    }
+    assert not ws(family="sm70", head_dim=64, batch=1, nheads=1, seqlen_q=1, deterministic=False)["d_rowsum_in_dq"]
 
 
 # Which inputs the kernels read in place (no copy) and which are copied first: pure stride/pointer logic.

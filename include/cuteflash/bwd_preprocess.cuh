@@ -45,10 +45,8 @@ __global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_p
   }
   const unsigned active = __ballot_sync(0xffffffff, row < p.seqlen_q);  // whole groups of kThreadsPerRow lanes
   if (row >= p.seqlen_q) return;
-  auto const* o =
-      static_cast<Element const*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride + head * p.o_head_stride;
-  auto const* dout =
-      static_cast<Element const*>(p.dout) + batch * p.do_batch_stride + row * p.do_row_stride + head * p.do_head_stride;
+  auto const* o = p.o.at<Element const>(batch, head, row);
+  auto const* dout = p.dout.at<Element const>(batch, head, row);
   float sum = 0.f;
   for (int c = lane * 8; c < p.head_dim; c += Pre::kThreadsPerRow * 8) {
     uint4 o8 = *reinterpret_cast<uint4 const*>(o + c);
@@ -84,7 +82,7 @@ __device__ void convert_dq_rowmajor(BwdParams const& p, int batch, int head) {
   constexpr int kChunks = kHeadDim / 4;  // of 4 floats per row
   constexpr int kUnroll = 8;
   auto const* acc = reinterpret_cast<float4 const*>(dq_accum_region<kHeadDim>(p, batch, head));
-  auto* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
+  auto* dq = p.dq.at<Element>(batch, head);
   const int chunks = p.seqlen_q * kChunks;
   for (int first = threadIdx.x; first < chunks; first += kThreads * kUnroll) {
     float4 x[kUnroll];
@@ -98,7 +96,7 @@ __device__ void convert_dq_rowmajor(BwdParams const& p, int batch, int head) {
       const int row = chunk / kChunks, col = chunk % kChunks * 4;
       if (chunk < chunks && col < p.head_dim) {
         alignas(8) Element out[4] = {Element(x[u].x), Element(x[u].y), Element(x[u].z), Element(x[u].w)};
-        *reinterpret_cast<uint2*>(dq + row * p.dq_row_stride + col) = *reinterpret_cast<uint2 const*>(out);
+        *reinterpret_cast<uint2*>(dq + row * p.dq.row_stride + col) = *reinterpret_cast<uint2 const*>(out);
       }
     }
   }

@@ -24,7 +24,14 @@ bool family_runs(Family family);
 FwdFn find_fwd(Family family, DType dtype, int head_dim);
 BwdFn find_bwd(Family family, DType dtype, int head_dim);
 
-// Names of the compiled launchers, e.g. "run_fwd_sm80_fp16_hd64".
-std::vector<std::string> compiled_kernels();
+// One compiled launcher: its family, direction ("fwd" or "bwd"), dtype and kernel head dim.
+struct KernelInfo {
+  Family family;
+  char const* direction;
+  DType dtype;
+  int head_dim;
+};
+
+std::vector<KernelInfo> compiled_kernels();
 
 }  // namespace cuteflash

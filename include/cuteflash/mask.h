@@ -3,11 +3,7 @@
 // per-sequence lengths alike. Plain C++ with no CUDA types, so that the host uses and tests it too.
 #pragma once
 
-#if defined(__CUDACC__)
-#define CUTEFLASH_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define CUTEFLASH_HOST_DEVICE inline
-#endif
+#include "cuteflash/params.h"  // CUTEFLASH_HOST_DEVICE
 
 namespace cuteflash {
 
@@ -29,8 +25,8 @@ struct BlockRange {
 // bound is kUnbounded. A row that sees no key (causal with seqlen_q > seqlen_k, say) has key_end <= key_begin.
 // The lengths are those of one sequence: a kernel builds the policy of the sequence it works on.
 struct MaskPolicy {
-  // Larger than any length (a caller keeps seqlens below kMaxSeqlen), small enough that row + shift +
-  // kUnbounded + 1 stays in int.
+  // Larger than any length (api.cpp keeps seqlens below kMaxSeqlen), small enough that row + shift +
+  // kUnbounded + 1 (at most seqlen_k + kUnbounded) stays in int.
   static constexpr int kUnbounded = 1 << 30;
   static constexpr int kMaxSeqlen = 1 << 30;
 
@@ -47,22 +43,32 @@ struct MaskPolicy {
   }
 
   CUTEFLASH_HOST_DEVICE int shift() const { return seqlen_k - seqlen_q; }
-  // The keys row i sees: [key_begin(i), key_end(i)); both are non-decreasing in i.
-  CUTEFLASH_HOST_DEVICE int key_begin(int row) const { return max_(0, row + shift() - left); }
+  // The keys row i sees: [key_begin(i), key_end(i)); both are non-decreasing in i. The left side tests for
+  // kUnbounded first, so that without a window the compiler drops its arithmetic (and the block ranges' empty
+  // cases, which a bounded left side alone makes); key_end computes the unbounded case as it is, which is what
+  // the sm80 forward kernel's masked steps keep within their registers.
+  CUTEFLASH_HOST_DEVICE int key_begin(int row) const { return left >= kUnbounded ? 0 : max_(0, row + shift() - left); }
   CUTEFLASH_HOST_DEVICE int key_end(int row) const { return min_(seqlen_k, row + shift() + right + 1); }
   // The rows that see key j: [row_begin(j), row_end(j)); both are non-decreasing in j.
-  CUTEFLASH_HOST_DEVICE int row_begin(int key) const { return max_(0, key - shift() - right); }
-  CUTEFLASH_HOST_DEVICE int row_end(int key) const { return min_(seqlen_q, key - shift() + left + 1); }
+  CUTEFLASH_HOST_DEVICE int row_begin(int key) const {
+    return right >= kUnbounded ? 0 : max_(0, key - shift() - right);
+  }
+  CUTEFLASH_HOST_DEVICE int row_end(int key) const {
+    return left >= kUnbounded ? seqlen_q : min_(seqlen_q, key - shift() + left + 1);
+  }
   CUTEFLASH_HOST_DEVICE bool visible(int row, int key) const { return key >= key_begin(row) && key < key_end(row); }
 
   // The key blocks of kBlockN keys that query block m_block (rows [m_block * kBlockM, + kBlockM), the part
-  // below seqlen_q) visits; a block is unmasked when every one of its keys is visible to every such row.
+  // below seqlen_q; m_block < ceil(seqlen_q / kBlockM)) visits; a block is unmasked when every one of its keys
+  // is visible to every such row. The block sees no key only when its last row's keys end before key 0.
+  // Written without early returns, so that where a side is unbounded the compiler keeps no more live values
+  // than the expressions of the other side need.
   template <int kBlockM, int kBlockN>
   CUTEFLASH_HOST_DEVICE BlockRange key_blocks(int m_block) const {
     const int first = m_block * kBlockM, last = min_(first + kBlockM, seqlen_q) - 1;
     const int end_key = key_end(last);
-    if (end_key <= 0 || last < first) return {0, 0, 0, 0};
-    const int begin = key_begin(first) / kBlockN, end = div_up(end_key, kBlockN);
+    const int begin = key_begin(first) / kBlockN;
+    const int end = right >= kUnbounded || end_key > 0 ? div_up(end_key, kBlockN) : begin;
     // Unmasked: keys [n kBlockN, (n + 1) kBlockN) inside [key_begin(last), key_end(first)).
     const int unmasked_begin = clamp_(div_up(key_begin(last), kBlockN), begin, end);
     const int unmasked_end = clamp_(max_(key_end(first), 0) / kBlockN, unmasked_begin, end);
@@ -79,20 +85,24 @@ struct MaskPolicy {
   }
 
   // The query blocks of kBlockM rows that key block n_block (keys [n_block * kBlockN, + kBlockN), the part
-  // below seqlen_k) is seen by; a block is unmasked when each of its rows below seqlen_q sees every key of
-  // the key block, and the key block is whole (rows past seqlen_q must not count: kernels give them P = 0).
+  // below seqlen_k; n_block < ceil(seqlen_k / kBlockN)) is seen by; a block is unmasked when each of its rows
+  // below seqlen_q sees every key of the key block, and the key block is whole (rows past seqlen_q must not
+  // count: kernels give them P = 0). No row sees the block only when the rows that see its last key end
+  // before row 0, which takes a bounded left side.
   template <int kBlockM, int kBlockN>
   CUTEFLASH_HOST_DEVICE BlockRange query_blocks(int n_block) const {
     const int first = n_block * kBlockN, last = min_(first + kBlockN, seqlen_k) - 1;
     const int end_row = row_end(last);
-    if (end_row <= row_begin(first) || last < first) return {0, 0, 0, 0};
-    const int begin = row_begin(first) / kBlockM, end = div_up(end_row, kBlockM);
-    if (last - first + 1 < kBlockN) return {begin, end, begin, begin};  // the keys past seqlen_k are masked
-    // Unmasked rows: [row_begin(last), row_end(first)); a block ending at seqlen_q counts as whole.
+    const int begin = row_begin(first) / kBlockM;
+    const int end = left >= kUnbounded || end_row > 0 ? div_up(end_row, kBlockM) : begin;
+    // Unmasked rows: [row_begin(last), row_end(first)); a block ending at seqlen_q counts as whole. A key block
+    // with keys past seqlen_k is masked in every query block.
     const int rows_begin = row_begin(last), rows_end = row_end(first);
     const int unmasked_begin = clamp_(div_up(rows_begin, kBlockM), begin, end);
-    const int unmasked_end =
-        clamp_(rows_end >= seqlen_q ? div_up(seqlen_q, kBlockM) : max_(rows_end, 0) / kBlockM, unmasked_begin, end);
+    const int unmasked_end = last - first + 1 < kBlockN ? unmasked_begin
+                                                        : clamp_(rows_end >= seqlen_q ? div_up(seqlen_q, kBlockM)
+                                                                                      : max_(rows_end, 0) / kBlockM,
+                                                                 unmasked_begin, end);
     return {begin, end, unmasked_begin, unmasked_end};
   }
 

@@ -10,6 +10,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include "cuteflash/params.h"
+
 namespace cuteflash {
 
 using namespace cute;
@@ -114,10 +116,10 @@ struct HeadRows {
   }
 };
 
+// The rows of (batch, head) of operand t, read (or written) as Element.
 template <int kRows, int kHeadDim, typename Element>
-__device__ __forceinline__ HeadRows<kRows, kHeadDim, Element> head_rows(Element* base, int64_t batch_offset,
-                                                                        int64_t head_offset, int64_t row_stride) {
-  return {base + batch_offset + head_offset, row_stride};
+__device__ __forceinline__ HeadRows<kRows, kHeadDim, Element> head_rows(Operand const& t, int batch, int head) {
+  return {t.at<Element>(batch, head), t.row_stride};
 }
 
 // Copy a partitioned tile (CPY, CPY_ROWS, CPY_COLS) whose rows or columns may run past the tensor:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 
 import torch  # noqa: F401  (before _C: torch's import crashed when our pybind11 module was loaded first)
 
@@ -17,19 +16,19 @@ except ImportError as e:  # a source checkout, or a build for another Python
     _C_ERROR = e
 
 BACKEND_ENV = "CUTEFLASH_BACKEND"
-# Head dims with a kernel (kHeadDims in include/cuteflash/tile_config.h); others run the next larger one.
-KERNEL_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+@functools.cache
+def kernel_head_dims() -> tuple[int, ...]:
+    """The head dims with a kernel in the tile table (include/cuteflash/tile_config.h), compiled in or not."""
+    return tuple(compiled_module().build_info()["kernel_head_dims"])
 
 
 def kernel_head_dim(head_dim: int) -> int | None:
-    """The kernel head dim that serves head_dim (after padding to a multiple of 8), None above 256;
-    round_up_head_dim in include/cuteflash/tile_config.h."""
+    """The kernel head dim that serves head_dim: the smallest that holds it after padding to a multiple of 8
+    (round_up_head_dim in tile_config.h); None above the largest."""
     padded = -(-head_dim // 8) * 8
-    return next((hd for hd in KERNEL_HEAD_DIMS if hd >= padded), None)
-
-
-_KERNEL_NAME = re.compile(r"run_(?P<direction>\w+?)_(?P<family>sm\d+)_(?P<dtype>\w+?)_hd(?P<head_dim>\d+)$")
-_DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16"}
+    return next((hd for hd in kernel_head_dims() if hd >= padded), None)
 
 
 def compiled_module():
@@ -46,19 +45,18 @@ def build_info() -> dict:
     """What this build of cuteflash holds.
 
     Returns a dict with ``families`` ({family: {"targets": [...], "dtypes": [...], "head_dims": [...],
-    "directions": [...]}}), ``cuda_version`` (the toolkit that built it) and ``kernels`` (launcher
-    names).
+    "directions": [...]}}), ``cuda_version`` (the toolkit that built it) and ``kernels`` (one dict per
+    compiled launcher: family, direction, dtype, head_dim).
     """
     raw = compiled_module().build_info()
     families = {}
     for family, targets in raw["families"].items():
         families[family] = {"targets": targets.split(), "dtypes": set(), "head_dims": set(), "directions": set()}
-    for name in raw["kernels"]:
-        m = _KERNEL_NAME.match(name)
-        entry = families[m["family"]]
-        entry["dtypes"].add(_DTYPE_NAMES[m["dtype"]])
-        entry["head_dims"].add(int(m["head_dim"]))
-        entry["directions"].add(m["direction"])
+    for kernel in raw["kernels"]:
+        entry = families[kernel["family"]]
+        entry["dtypes"].add(kernel["dtype"])
+        entry["head_dims"].add(kernel["head_dim"])
+        entry["directions"].add(kernel["direction"])
     for entry in families.values():
         for key in ("dtypes", "head_dims", "directions"):
             entry[key] = sorted(entry[key])

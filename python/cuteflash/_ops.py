@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from ._lib import build_info, compiled_module, kernel_head_dim, select_family
+from ._lib import build_info, compiled_module, select_family
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 SM70_CORRECTION_ENV = "CUTEFLASH_SM70_CORRECTION"
@@ -29,24 +29,50 @@ def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t.contiguous()
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)  # (batch, row, head) of a (b, s, h, d) tensor
+def _operand(t: torch.Tensor):
+    """A (b, s, h, d) tensor as the compiled module's Operand: data pointer and (batch, row, head) strides."""
+    return compiled_module().Operand(t.data_ptr(), t.stride(0), t.stride(1), t.stride(2))
 
 
-def _launch(device: torch.device, kernel, *args) -> None:
+def _launch(device: torch.device, kernel, **kwargs) -> None:
     """Calls a launcher of the compiled module with `device` as the current CUDA device (the kernels
     launch on the current one), switching only when it is not already."""
     if device.index == torch.cuda.current_device():
-        kernel(*args)
+        kernel(**kwargs)
     else:
         with torch.cuda.device(device):
-            kernel(*args)
+            kernel(**kwargs)
 
 
 def _fp16_correction(family: str) -> bool:
     """sm70: P (and dS) enter their fp16 tensor-core products error-corrected, unless
     CUTEFLASH_SM70_CORRECTION=0 (plain fp16, for comparison). The sm80 kernels ignore the flag."""
     return family != "sm70" or os.environ.get(SM70_CORRECTION_ENV, "1") != "0"
+
+
+def _problem(family: str, q, k, v, out, lse, softmax_scale: float, causal: bool) -> dict:
+    """The keyword arguments that _C.fwd and _C.bwd share: the problem, and the stream it runs on."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    _, seqlen_k, nheads_k, _ = k.shape
+    return dict(
+        family=family,
+        dtype=_DTYPE_CODES[q.dtype],
+        q=_operand(q),
+        k=_operand(k),
+        v=_operand(v),
+        out=_operand(out),
+        lse=lse.data_ptr(),
+        batch=batch,
+        nheads=nheads,
+        nheads_k=nheads_k,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        head_dim=head_dim,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        fp16_correction=_fp16_correction(family),
+        stream=torch.cuda.current_stream(q.device).cuda_stream,
+    )
 
 
 def fwd_impl(
@@ -57,36 +83,13 @@ def fwd_impl(
     if family == "sm70" and q.dtype == torch.bfloat16:
         raise TypeError("bfloat16 needs an sm80 GPU (compute capability 8.0+); use float16 on this GPU")
     q, k, v = (_kernel_operand(t) for t in (q, k, v))
-    batch, seqlen_q, nheads, head_dim = q.shape
-    _, seqlen_k, nheads_k, _ = k.shape
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     if seqlen_k == 0:  # no key at all: every row is empty (and k, v have no memory to point at)
         return out.zero_(), lse.fill_(float("inf"))
-    args = (
-        family,
-        _DTYPE_CODES[q.dtype],
-        q.data_ptr(),
-        k.data_ptr(),
-        v.data_ptr(),
-        out.data_ptr(),
-        lse.data_ptr(),
-        _strides(q),
-        _strides(k),
-        _strides(v),
-        _strides(out),
-        batch,
-        nheads,
-        nheads_k,
-        seqlen_q,
-        seqlen_k,
-        head_dim,
-        softmax_scale,
-        causal,
-        _fp16_correction(family),
-        torch.cuda.current_stream(q.device).cuda_stream,
-    )
-    _launch(q.device, compiled_module().fwd, *args)
+    _launch(q.device, compiled_module().fwd, **_problem(family, q, k, v, out, lse, softmax_scale, causal))
     return out, lse
 
 
@@ -139,61 +142,34 @@ def bwd(
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_k, _ = k.shape
     f32 = dict(dtype=torch.float32, device=q.device)
-    separate_dq = deterministic  # dQ from its own kernel instead of atomics into dq_accum
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if separate_dq:
-        dq_accum = torch.empty(0, **f32)
-    else:
-        # Whole 128-row blocks of the kernel's head dim per (batch, head), then a count per (batch, head), laid
-        # out and zeroed by the kernels (params.h).
-        regions = batch * nheads * (-(-seqlen_q // 128) * 128) * kernel_head_dim(head_dim)
-        dq_accum = torch.empty(regions + batch * nheads, **f32)
-    # D = rowsum(dO * O) lives in dq's memory where dq is written only by the last kernel, which reads dq_accum
-    # (sm80's atomics); it needs its own buffer where a kernel reading D writes dq (the deterministic dQ kernel,
-    # or sm70's dK/dV kernel, whose last thread block of a head converts dQ while other blocks still read D).
-    if separate_dq or family == "sm70":
-        d_rowsum = torch.empty((batch, nheads, seqlen_q), **f32)
-    else:
+    # dq_accum (dQ's fp32 atomics; none for a deterministic pass) and where D = rowsum(dO * O) lives, as the
+    # compiled module rules (params.h, api.cpp).
+    workspace = compiled_module().bwd_workspace(
+        family=family, head_dim=head_dim, batch=batch, nheads=nheads, seqlen_q=seqlen_q, deterministic=deterministic
+    )
+    dq_accum = torch.empty(workspace["dq_accum_floats"], **f32)
+    if workspace["d_rowsum_in_dq"]:
         d_rowsum = dq.view(-1)[: 2 * batch * nheads * seqlen_q].view(torch.float32)
+    else:
+        d_rowsum = torch.empty((batch, nheads, seqlen_q), **f32)
     # A dK/dV per query head (for MQA/GQA, summed over each group below).
     dk = torch.empty((batch, seqlen_k, nheads, head_dim), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     if batch and seqlen_q and seqlen_k:
-        args = (
-            family,
-            _DTYPE_CODES[q.dtype],
-            dout.data_ptr(),
-            q.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            out.data_ptr(),
-            lse.data_ptr(),
-            dq.data_ptr(),
-            dq_accum.data_ptr(),
-            d_rowsum.data_ptr(),
-            dk.data_ptr(),
-            dv.data_ptr(),
-            _strides(dout),
-            _strides(q),
-            _strides(k),
-            _strides(v),
-            _strides(out),
-            _strides(dq),
-            _strides(dk),
-            _strides(dv),
-            batch,
-            nheads,
-            nheads_k,
-            seqlen_q,
-            seqlen_k,
-            head_dim,
-            softmax_scale,
-            causal,
-            _fp16_correction(family),
-            separate_dq,
-            torch.cuda.current_stream(q.device).cuda_stream,
+        _launch(
+            q.device,
+            compiled_module().bwd,
+            **_problem(family, q, k, v, out, lse, softmax_scale, causal),
+            dout=_operand(dout),
+            dq=_operand(dq),
+            dq_accum=dq_accum.data_ptr(),
+            dq_accum_floats=dq_accum.numel(),
+            d_rowsum=d_rowsum.data_ptr(),
+            dk=_operand(dk),
+            dv=_operand(dv),
+            deterministic=deterministic,
         )
-        _launch(q.device, compiled_module().bwd, *args)
     else:  # no query or no key: every gradient is zero
         dk.zero_()
         dv.zero_()

@@ -10,10 +10,15 @@ CMake runs this at configure time into the build folder; one translation unit pe
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
-HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)  # = kHeadDims in include/cuteflash/tile_config.h
+# The kernel head dims: kHeadDims of include/cuteflash/tile_config.h, their one source.
+_TILE_CONFIG = Path(__file__).resolve().parents[2] / "include" / "cuteflash" / "tile_config.h"
+HEAD_DIMS = tuple(
+    int(x) for x in re.search(r"kHeadDims\[\] = \{([^}]*)\}", _TILE_CONFIG.read_text()).group(1).split(",")
+)
 DTYPES = {"fp16": ("kFloat16", "cutlass::half_t"), "bf16": ("kBFloat16", "cutlass::bfloat16_t")}
 # Direction -> (params struct, launcher pointer type) of include/cuteflash/params.h and dispatch.h.
 DIRECTIONS = {"fwd": ("FwdParams", "FwdFn"), "bwd": ("BwdParams", "BwdFn")}
@@ -86,8 +91,11 @@ def dispatch_source(kernels: list[tuple[str, str, str, int]], families: list[str
             lines += ["        default:", "          return nullptr;", "      }"]
         lines += ["    default:", "      return nullptr;", "  }", "}", ""]
 
-    listed = ", ".join(f'"{kernel_name(*k)}"' for k in kernels)
-    lines += [f"std::vector<std::string> compiled_kernels() {{ return {{{listed}}}; }}", ""]
+    lines += ["std::vector<KernelInfo> compiled_kernels() {", "  return {"]
+    lines += [
+        f'      {{Family::k{f.capitalize()}, "{d}", DType::{DTYPES[dt][0]}, {hd}}},' for (d, f, dt, hd) in kernels
+    ]
+    lines += ["  };", "}", ""]
     lines += ["}  // namespace cuteflash", ""]
     return "\n".join(lines)
 
@@ -106,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--directions", nargs="*", default=list(DIRECTIONS))
     args = p.parse_args(argv)
 
-    for name, given, known in (("family", args.families, FAMILIES), ("head dim", args.headdims, HEAD_DIMS),
-                               ("dtype", args.dtypes, DTYPES), ("direction", args.directions, DIRECTIONS)):
+    for name, given, known in (
+        ("family", args.families, FAMILIES),
+        ("head dim", args.headdims, HEAD_DIMS),
+        ("dtype", args.dtypes, DTYPES),
+        ("direction", args.directions, DIRECTIONS),
+    ):
         bad = [g for g in given if g not in known]
         if bad:
             print(f"error: unknown {name} {bad}; choose from {list(known)}", file=sys.stderr)
@@ -116,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     kernels = [
         (direction, family, dtype, hd)
         for family in args.families
-        for direction in args.directions if direction in FAMILIES[family]["directions"]
-        for dtype in args.dtypes if dtype in FAMILIES[family]["dtypes"]
+        for direction in args.directions
+        if direction in FAMILIES[family]["directions"]
+        for dtype in args.dtypes
+        if dtype in FAMILIES[family]["dtypes"]
         for hd in args.headdims
     ]
     files = {f"probe_{f}.cu": probe_source(f) for f in args.families}

@@ -384,21 +384,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   const int m_block_max = ceil_div(p.seqlen_q, kBlockM);
   const int m_block_min = p.causal ? max(0, n_block * kBlockN - (p.seqlen_k - p.seqlen_q)) / kBlockM : 0;
 
-  const auto gQ = head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.q), batch * p.q_batch_stride,
-                                               head * p.q_head_stride, p.q_row_stride);
-  const auto gdO = head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.dout), batch * p.do_batch_stride,
-                                                head * p.do_head_stride, p.do_row_stride);
+  const auto gQ = head_rows<kBlockM, kHeadDim, half_t const>(p.q, batch, head);
+  const auto gdO = head_rows<kBlockM, kHeadDim, half_t const>(p.dout, batch, head);
   // block(i) of gQ, gdO: (kBlockM, kHeadDim)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
-  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.k), batch * p.k_batch_stride,
-                                                    head_k * p.k_head_stride, p.k_row_stride)
-                           .block(n_block),
-                       sK, keys_left, p.head_dim, tid);
-  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.v), batch * p.v_batch_stride,
-                                                    head_k * p.v_head_stride, p.v_row_stride)
-                           .block(n_block),
-                       sV, keys_left, p.head_dim, tid);
+  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim, half_t const>(p.k, batch, head_k).block(n_block), sK, keys_left,
+                       p.head_dim, tid);
+  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim, half_t const>(p.v, batch, head_k).block(n_block), sV, keys_left,
+                       p.head_dim, tid);
 
   using KeyTiles = typename Traits::KeyTiles;
   constexpr bool kSplit = Traits::kSplitKeyProducts;
@@ -546,17 +540,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   }
 
   // dK = scale dS^T Q and dV, in the input dtype; a key block that no query sees gets zeros.
-  auto* dk = static_cast<half_t*>(p.dk) + batch * p.dk_batch_stride + head * p.dk_head_stride;
-  auto* dv = static_cast<half_t*>(p.dv) + batch * p.dv_batch_stride + head * p.dv_head_stride;
+  auto* dk = p.dk.at<half_t>(batch, head);
+  auto* dv = p.dv.at<half_t>(batch, head);
   const int row0 = n_block * kBlockN + key_tiles.row * 16;
   key_tiles.for_each([&](int i, int col0) {
     if (has_dk) {
       store_tile_fp16(acc_dk[i], p.softmax_scale * exp2f_int(-ds_exp), stage,
-                      dk + int64_t(row0) * p.dk_row_stride + col0, p.dk_row_stride, p.seqlen_k - row0,
+                      dk + int64_t(row0) * p.dk.row_stride + col0, p.dk.row_stride, p.seqlen_k - row0,
                       p.head_dim - col0);
     }
     if (has_dv) {
-      store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv_row_stride + col0, p.dv_row_stride,
+      store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv.row_stride + col0, p.dv.row_stride,
                       p.seqlen_k - row0, p.head_dim - col0);
     }
   });
@@ -591,24 +585,18 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   const int warp = tid / 32;
   const int rows_left = p.seqlen_q - m_block * kBlockM;
 
-  const auto gK = head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.k), batch * p.k_batch_stride,
-                                               head_k * p.k_head_stride, p.k_row_stride);
-  const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<half_t const*>(p.v), batch * p.v_batch_stride,
-                                               head_k * p.v_head_stride, p.v_row_stride);
+  const auto gK = head_rows<kBlockN, kHeadDim, half_t const>(p.k, batch, head_k);
+  const auto gV = head_rows<kBlockN, kHeadDim, half_t const>(p.v, batch, head_k);
   // block(i) of gK, gV: (kBlockN, kHeadDim)
   const auto buf = Traits::buffers(smem, 0);
   Tensor sQ = make_tensor(make_smem_ptr(buf.q), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(buf.dout), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
-  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.q), batch * p.q_batch_stride,
-                                                   head * p.q_head_stride, p.q_row_stride)
-                          .block(m_block),
-                      sQ, rows_left, p.head_dim, tid);
-  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim>(static_cast<half_t const*>(p.dout), batch * p.do_batch_stride,
-                                                   head * p.do_head_stride, p.do_row_stride)
-                          .block(m_block),
-                      sdO, rows_left, p.head_dim, tid);
+  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim, half_t const>(p.q, batch, head).block(m_block), sQ, rows_left,
+                      p.head_dim, tid);
+  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim, half_t const>(p.dout, batch, head).block(m_block), sdO, rows_left,
+                      p.head_dim, tid);
   const RowStats row(p, (int64_t(batch) * p.nheads + head) * p.seqlen_q,
                      m_block * kBlockM + tid / Traits::kThreadsPerRow);
 
@@ -638,11 +626,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   __syncthreads();  // the staging tiles alias the scratch
 
   float* stage = Traits::stage(smem, warp);
-  auto* dq = static_cast<half_t*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride;
+  auto* dq = p.dq.at<half_t>(batch, head);
   const int row0 = m_block * kBlockM + query_tiles.row * 16;
   query_tiles.for_each([&](int i, int col0) {
-    store_tile_fp16(acc_dq[i], p.softmax_scale * exp2f_int(-ds_exp), stage, dq + int64_t(row0) * p.dq_row_stride + col0,
-                    p.dq_row_stride, p.seqlen_q - row0, p.head_dim - col0);
+    store_tile_fp16(acc_dq[i], p.softmax_scale * exp2f_int(-ds_exp), stage, dq + int64_t(row0) * p.dq.row_stride + col0,
+                    p.dq.row_stride, p.seqlen_q - row0, p.head_dim - col0);
   });
 }
 

@@ -108,12 +108,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   const int row_in_block = warp * kWarpRows + my_row;
   const int q_row = m_block * kBlockM + row_in_block;
 
-  const auto gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
-                                               head * p.q_head_stride, p.q_row_stride);
-  const auto gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
-                                               head_k * p.k_head_stride, p.k_row_stride);
-  const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
-                                               head_k * p.v_head_stride, p.v_row_stride);
+  const auto gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, batch, head);
+  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, batch, head_k);
+  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, batch, head_k);
   // block(i) of gQ: (kBlockM, kHeadDim); of gK, gV: (kBlockN, kHeadDim)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});   // (kBlockM, kHeadDim)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
@@ -304,7 +301,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   const bool empty = l == 0.f;  // no visible key: O = 0, lse = +inf (as the sm80 kernel)
   if (my_half == 0) alpha_rows[my_row] = empty ? 0.f : 1.f / l;
   __syncwarp();
-  auto* out = static_cast<Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+  auto* out = p.o.at<Element>(batch, head);
   CUTE_UNROLL
   for (int t = 0; t < kRowTiles; ++t) {
     float inv_of[kFragElems];
@@ -315,7 +312,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
     for (int j = 0; j < kHeadDim / 16; ++j) {
       CUTE_UNROLL
       for (int i = 0; i < kFragElems; ++i) acc_o[t][j].x[i] *= inv_of[i];
-      store_tile_fp16(acc_o[t][j], 1.f, scratch, out + int64_t(row0) * p.o_row_stride + j * 16, p.o_row_stride,
+      store_tile_fp16(acc_o[t][j], 1.f, scratch, out + int64_t(row0) * p.o.row_stride + j * 16, p.o.row_stride,
                       p.seqlen_q - row0, p.head_dim - j * 16);
     }
   }

@@ -56,9 +56,7 @@ __device__ __forceinline__ void load_row_stats(BwdParams const& p, int64_t row_s
 // The (kRows, kHeadDim) tile of dq that query block m_block writes.
 template <int kRows, int kHeadDim, typename Element>
 __device__ __forceinline__ auto dq_tile(BwdParams const& p, int batch, int head, int m_block) {
-  return head_rows<kRows, kHeadDim>(static_cast<Element*>(p.dq), batch * p.dq_batch_stride, head * p.dq_head_stride,
-                                    p.dq_row_stride)
-      .block(m_block);
+  return head_rows<kRows, kHeadDim, Element>(p.dq, batch, head).block(m_block);
 }
 
 // How many consecutive dQ accumulator elements a thread adds with one reduction: sm90 has 16-byte ones,
@@ -110,17 +108,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   if (keys_left < kBlockN) m_block_first_unmasked = m_block_max;  // keys past seqlen_k in every step
   m_block_first_unmasked = max(m_block_min, min(m_block_first_unmasked, m_block_max));
 
-  const auto gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
-                                               head * p.q_head_stride, p.q_row_stride);
-  const auto gdO = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.dout), batch * p.do_batch_stride,
-                                                head * p.do_head_stride, p.do_row_stride);
+  const auto gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, batch, head);
+  const auto gdO = head_rows<kBlockM, kHeadDim, Element const>(p.dout, batch, head);
   // block(i) of gQ, gdO: (kBlockM, kHeadDim)
-  Tensor gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
-                                           head_k * p.k_head_stride, p.k_row_stride)
-                  .block(n_block);
-  Tensor gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
-                                           head_k * p.v_head_stride, p.v_row_stride)
-                  .block(n_block);
+  Tensor gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, batch, head_k).block(n_block);
+  Tensor gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, batch, head_k).block(n_block);
   // gK, gV: (kBlockN, kHeadDim)
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
 
@@ -298,12 +290,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   cp_async_wait<0>();
 
   // ---- Epilogue: dK and dV through the shared memory of K and V; a key block no query sees gets zeros.
-  Tensor gdK = head_rows<kBlockN, kHeadDim>(static_cast<Element*>(p.dk), batch * p.dk_batch_stride,
-                                            head * p.dk_head_stride, p.dk_row_stride)
-                   .block(n_block);
-  Tensor gdV = head_rows<kBlockN, kHeadDim>(static_cast<Element*>(p.dv), batch * p.dv_batch_stride,
-                                            head * p.dv_head_stride, p.dv_row_stride)
-                   .block(n_block);
+  Tensor gdK = head_rows<kBlockN, kHeadDim, Element>(p.dk, batch, head).block(n_block);
+  Tensor gdV = head_rows<kBlockN, kHeadDim, Element>(p.dv, batch, head).block(n_block);
   __syncthreads();  // no warp reads K or V any more
   using Fwd = typename Traits::Fwd;
   store_acc_tile<Fwd, kBlockN>(acc_dk, mma_dkv, smem.k.data(), gdK, keys_left, p.head_dim);
@@ -365,16 +353,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   const int tid = threadIdx.x;
   const int rows_left = p.seqlen_q - m_block * kBlockM;
 
-  Tensor gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
-                                           head * p.q_head_stride, p.q_row_stride)
-                  .block(m_block);
-  Tensor gdO = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.dout), batch * p.do_batch_stride,
-                                            head * p.do_head_stride, p.do_row_stride)
-                   .block(m_block);
-  const auto gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
-                                               head_k * p.k_head_stride, p.k_row_stride);
-  const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
-                                               head_k * p.v_head_stride, p.v_row_stride);
+  Tensor gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, batch, head).block(m_block);
+  Tensor gdO = head_rows<kBlockM, kHeadDim, Element const>(p.dout, batch, head).block(m_block);
+  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, batch, head_k);
+  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, batch, head_k);
   // gQ, gdO: (kBlockM, kHeadDim); block(i) of gK, gV: (kBlockN, kHeadDim)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});      // (kBlockM, kHeadDim)
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)

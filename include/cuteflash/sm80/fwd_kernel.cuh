@@ -114,16 +114,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   const int tid = threadIdx.x;
   const int rows_left = p.seqlen_q - m_block * kBlockM;
 
-  Tensor gQ = head_rows<kBlockM, kHeadDim>(static_cast<Element const*>(p.q), batch * p.q_batch_stride,
-                                           head * p.q_head_stride, p.q_row_stride)
-                  .block(m_block);
-  Tensor gO = head_rows<kBlockM, kHeadDim>(static_cast<Element*>(p.o), batch * p.o_batch_stride, head * p.o_head_stride,
-                                           p.o_row_stride)
-                  .block(m_block);
-  const auto gK = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.k), batch * p.k_batch_stride,
-                                               head_k * p.k_head_stride, p.k_row_stride);
-  const auto gV = head_rows<kBlockN, kHeadDim>(static_cast<Element const*>(p.v), batch * p.v_batch_stride,
-                                               head_k * p.v_head_stride, p.v_row_stride);
+  Tensor gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, batch, head).block(m_block);
+  Tensor gO = head_rows<kBlockM, kHeadDim, Element>(p.o, batch, head).block(m_block);
+  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, batch, head_k);
+  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, batch, head_k);
   // gQ, gO: (kBlockM, kHeadDim); block(i) of gK, gV: (kBlockN, kHeadDim)
   float* lse = p.lse + (int64_t(batch) * p.nheads + head) * p.seqlen_q + m_block * kBlockM;
 
