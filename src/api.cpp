@@ -53,8 +53,7 @@ bool fill_fwd_params(FwdParams& p, DType dtype, Operand const& q, Operand const&
                      int head_dim, float softmax_scale, bool causal, bool fp16_correction) {
   require(dtype == DType::kFloat16 || dtype == DType::kBFloat16, "unknown dtype code");
   require(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "sizes must be non-negative");
-  require(seqlen_q < MaskPolicy::kMaxSeqlen && seqlen_k < MaskPolicy::kMaxSeqlen,
-          "seqlen_q and seqlen_k must be below 2^30");
+  require(seqlen_q < kMaxSeqlen && seqlen_k < kMaxSeqlen, "seqlen_q and seqlen_k must be below 2^30");
   require(nheads >= 1 && nheads_k >= 1 && nheads % nheads_k == 0, "nheads must be a multiple of nheads_k");
   require(nheads <= 65535 && batch <= 65535, "batch and nheads must be at most 65535");
   require(head_dim >= 8 && head_dim % 8 == 0, "head_dim must be a positive multiple of 8 (pad it)");

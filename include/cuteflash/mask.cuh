@@ -1,22 +1,32 @@
-// Masking of the score tile S: keys past seqlen_k, and keys past a row's causal limit.
+// The mask of a problem (mask.h's policy, built from the params) and its application to a score tile.
 #pragma once
 
+#include "cuteflash/mask.h"
+#include "cuteflash/params.h"
 #include "cuteflash/utils.cuh"
 
 namespace cuteflash {
 
+// Which keys each query row of the problem sees. Cheap to rebuild from p at each use: a copy kept across a
+// kernel's main loop holds registers that the loop needs (it spilled in the sm80 forward kernel).
+__device__ __forceinline__ MaskPolicy<false> mask_policy(FwdParams const& p) {
+  return MaskPolicy<false>::make(p.seqlen_q, p.seqlen_k, p.causal);
+}
+
 // s: scores in (rows, cols) view; coord: the matching (row, col) positions inside the tile.
-// row0/col0: the tile's first query row and key column. Masked scores become -inf.
-template <typename STensor, typename CoordTensor>
-__device__ __forceinline__ void apply_mask(STensor& s, CoordTensor const& coord, int row0, int col0, int seqlen_q,
-                                           int seqlen_k, bool causal) {
+// row0/col0: the tile's first query row and key column. Scores of keys a row does not see become -inf
+// (keys past seqlen_k included); a row's first key is tested only where the policy bounds the left side.
+template <bool kWindow, typename STensor, typename CoordTensor>
+__device__ __forceinline__ void apply_mask(STensor& s, CoordTensor const& coord, int row0, int col0,
+                                           MaskPolicy<kWindow> const& mask) {
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(s); ++mi) {
-    int row = row0 + get<0>(coord(mi, 0));
-    int limit = causal ? min(seqlen_k, row + seqlen_k - seqlen_q + 1) : seqlen_k;
+    const int row = row0 + get<0>(coord(mi, 0));
+    const int begin = mask.key_begin(row), end = mask.key_end(row);
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(s); ++ni) {
-      if (col0 + get<1>(coord(mi, ni)) >= limit) s(mi, ni) = -INFINITY;
+      const int key = col0 + get<1>(coord(mi, ni));
+      if ((mask.left_bounded() && key < begin) || key >= end) s(mi, ni) = -INFINITY;
     }
   }
 }

@@ -7,6 +7,9 @@
 
 namespace cuteflash {
 
+// Sequence lengths must be below this (api.cpp checks), so that the policy's arithmetic stays in int.
+constexpr int kMaxSeqlen = 1 << 30;
+
 // Block indices [begin, end) to visit, of which [unmasked_begin, unmasked_end) need no per-element mask.
 // begin <= unmasked_begin <= unmasked_end <= end; an empty range has begin == end.
 struct BlockRange {
@@ -15,7 +18,9 @@ struct BlockRange {
   int unmasked_begin;
   int unmasked_end;
 
-  CUTEFLASH_HOST_DEVICE bool empty() const { return begin >= end; }
+  // == rather than >=: where begin is 0 at compile time, nvcc then tests end == 0, which spilled less in
+  // the sm80 forward kernel than end <= 0.
+  CUTEFLASH_HOST_DEVICE bool empty() const { return begin == end; }
   CUTEFLASH_HOST_DEVICE bool masked(int block) const { return block < unmasked_begin || block >= unmasked_end; }
 };
 
@@ -24,11 +29,16 @@ struct BlockRange {
 // flash-attn's alignment of the mask to the bottom-right corner. causal is right = 0; a side without a
 // bound is kUnbounded. A row that sees no key (causal with seqlen_q > seqlen_k, say) has key_end <= key_begin.
 // The lengths are those of one sequence: a kernel builds the policy of the sequence it works on.
+//
+// kWindow: whether a window may bound a side (flash-attn's window_size). Without one the causal diagonal is
+// the only bound besides the lengths: no row is bounded on the left, and every expression below reduces at
+// compile time to that of the causal case alone (right = 0), with causal-or-not the one run-time choice.
+// Kernels compiled for that case keep the registers and the code of causal-only masking.
+template <bool kWindow>
 struct MaskPolicy {
-  // Larger than any length (api.cpp keeps seqlens below kMaxSeqlen), small enough that row + shift +
-  // kUnbounded + 1 (at most seqlen_k + kUnbounded) stays in int.
-  static constexpr int kUnbounded = 1 << 30;
-  static constexpr int kMaxSeqlen = 1 << 30;
+  // Larger than any length, small enough that row + shift + kUnbounded + 1 (at most seqlen_k + kUnbounded)
+  // stays in int.
+  static constexpr int kUnbounded = kMaxSeqlen;
 
   int seqlen_q;
   int seqlen_k;
@@ -36,6 +46,7 @@ struct MaskPolicy {
   int right;  // keys after the diagonal a row sees (0: causal; kUnbounded: all)
 
   // window_left, window_right: flash-attn's window_size, -1 for an unbounded side; causal sets right to 0.
+  // Without kWindow the window must be (-1, -1).
   CUTEFLASH_HOST_DEVICE static MaskPolicy make(int seqlen_q, int seqlen_k, bool causal, int window_left = -1,
                                                int window_right = -1) {
     int right = causal ? 0 : window_right < 0 ? kUnbounded : window_right;
@@ -43,18 +54,19 @@ struct MaskPolicy {
   }
 
   CUTEFLASH_HOST_DEVICE int shift() const { return seqlen_k - seqlen_q; }
-  // The keys row i sees: [key_begin(i), key_end(i)); both are non-decreasing in i. The left side tests for
-  // kUnbounded first, so that without a window the compiler drops its arithmetic (and the block ranges' empty
-  // cases, which a bounded left side alone makes); key_end computes the unbounded case as it is, which is what
-  // the sm80 forward kernel's masked steps keep within their registers.
-  CUTEFLASH_HOST_DEVICE int key_begin(int row) const { return left >= kUnbounded ? 0 : max_(0, row + shift() - left); }
-  CUTEFLASH_HOST_DEVICE int key_end(int row) const { return min_(seqlen_k, row + shift() + right + 1); }
+  CUTEFLASH_HOST_DEVICE bool left_bounded() const { return kWindow && left < kUnbounded; }
+  CUTEFLASH_HOST_DEVICE bool right_bounded() const { return right < kUnbounded; }
+  // The keys row i sees: [key_begin(i), key_end(i)); both are non-decreasing in i.
+  CUTEFLASH_HOST_DEVICE int key_begin(int row) const { return left_bounded() ? max_(0, row + shift() - left) : 0; }
+  CUTEFLASH_HOST_DEVICE int key_end(int row) const {
+    return right_bounded() ? min_(seqlen_k, row + shift() + right_side() + 1) : seqlen_k;
+  }
   // The rows that see key j: [row_begin(j), row_end(j)); both are non-decreasing in j.
   CUTEFLASH_HOST_DEVICE int row_begin(int key) const {
-    return right >= kUnbounded ? 0 : max_(0, key - shift() - right);
+    return right_bounded() ? max_(0, key - shift() - right_side()) : 0;
   }
   CUTEFLASH_HOST_DEVICE int row_end(int key) const {
-    return left >= kUnbounded ? seqlen_q : min_(seqlen_q, key - shift() + left + 1);
+    return left_bounded() ? min_(seqlen_q, key - shift() + left + 1) : seqlen_q;
   }
   CUTEFLASH_HOST_DEVICE bool visible(int row, int key) const { return key >= key_begin(row) && key < key_end(row); }
 
@@ -68,7 +80,7 @@ struct MaskPolicy {
     const int first = m_block * kBlockM, last = min_(first + kBlockM, seqlen_q) - 1;
     const int end_key = key_end(last);
     const int begin = key_begin(first) / kBlockN;
-    const int end = right >= kUnbounded || end_key > 0 ? div_up(end_key, kBlockN) : begin;
+    const int end = !right_bounded() || end_key > 0 ? div_up(end_key, kBlockN) : begin;
     // Unmasked: keys [n kBlockN, (n + 1) kBlockN) inside [key_begin(last), key_end(first)).
     const int unmasked_begin = clamp_(div_up(key_begin(last), kBlockN), begin, end);
     const int unmasked_end = clamp_(max_(key_end(first), 0) / kBlockN, unmasked_begin, end);
@@ -94,7 +106,7 @@ struct MaskPolicy {
     const int first = n_block * kBlockN, last = min_(first + kBlockN, seqlen_k) - 1;
     const int end_row = row_end(last);
     const int begin = row_begin(first) / kBlockM;
-    const int end = left >= kUnbounded || end_row > 0 ? div_up(end_row, kBlockM) : begin;
+    const int end = !left_bounded() || end_row > 0 ? div_up(end_row, kBlockM) : begin;
     // Unmasked rows: [row_begin(last), row_end(first)); a block ending at seqlen_q counts as whole. A key block
     // with keys past seqlen_k is masked in every query block.
     const int rows_begin = row_begin(last), rows_end = row_end(first);
@@ -107,8 +119,24 @@ struct MaskPolicy {
   }
 
  private:
-  CUTEFLASH_HOST_DEVICE static int min_(int a, int b) { return a < b ? a : b; }
-  CUTEFLASH_HOST_DEVICE static int max_(int a, int b) { return a > b ? a : b; }
+  // The right side's offset where it is bounded: 0 (causal) without kWindow, a constant the compiler folds.
+  CUTEFLASH_HOST_DEVICE int right_side() const { return kWindow ? right : 0; }
+  // On the device CUDA's min and max: nvcc keeps the conditional-expression form as a compare and a select,
+  // which changes the register allocation of the kernels' main loops (a spill more in the sm80 forward).
+  CUTEFLASH_HOST_DEVICE static int min_(int a, int b) {
+#ifdef __CUDA_ARCH__
+    return ::min(a, b);
+#else
+    return a < b ? a : b;
+#endif
+  }
+  CUTEFLASH_HOST_DEVICE static int max_(int a, int b) {
+#ifdef __CUDA_ARCH__
+    return ::max(a, b);
+#else
+    return a > b ? a : b;
+#endif
+  }
   CUTEFLASH_HOST_DEVICE static int clamp_(int x, int lo, int hi) { return max_(lo, min_(x, hi)); }
   CUTEFLASH_HOST_DEVICE static int div_up(int a, int b) { return (a + b - 1) / b; }
 };

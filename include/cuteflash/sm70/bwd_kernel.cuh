@@ -18,8 +18,8 @@
 // kernel computes.
 #pragma once
 
-#include "cuteflash/block_info.cuh"
 #include "cuteflash/bwd_preprocess.cuh"
+#include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/sm70/wmma.cuh"
 
@@ -233,7 +233,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   const bool swap = (tid % Traits::kThreadsPerRow) >= 4;
   const int q_row = m_block * Traits::kBlockM + r;
   const int key0 = n_block * Traits::kBlockN + c0;
-  const int key_limit = p.causal ? min(p.seqlen_k, q_row + p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
+  const int key_limit = mask_policy(p).key_end(q_row);  // my row sees the keys below (no left bound yet)
   const int mine = r * Traits::kLdS + c0;
   const int mine_p = r * Traits::kLdP + c0;
   auto* p_hi = reinterpret_cast<__half*>(smem.p_hi.data()) + mine_p;
@@ -242,15 +242,14 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   auto* ds_lo = reinterpret_cast<__half*>(smem.ds_lo.data()) + mine_p;
 
   // P and dS of the thread's kCols elements, from S and dP in the scratch (again, on a rare path).
-  const int block_key_limit =
-      p.causal ? min(p.seqlen_k, m_block * Traits::kBlockM + p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
+  const int block_key_limit = mask_policy(p).key_end(m_block * Traits::kBlockM);  // the block's first row's
   float prob[kCols], ds[kCols];
   auto probs_and_grads_of_thread = [&] {
     load_floats(prob, scratch + mine, swap);
     load_floats(ds, scratch + Traits::kBlockM * Traits::kLdS + mine, swap);
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) prob[c] = exp2_approx(prob[c] * p.softmax_scale_log2 - row.lse_log2());
-    // Keys past the end or past a causal limit (rows past seqlen_q have lse = +inf: P = 0 already).
+    // Keys past the end or past the row's last key (rows past seqlen_q have lse = +inf: P = 0 already).
     if ((n_block + 1) * Traits::kBlockN > block_key_limit) {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) prob[c] = key0 + c < key_limit ? prob[c] : 0.f;
@@ -380,9 +379,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   const int tid = thread_index<Traits::kNThreads>();
   const int warp = tid / 32;
   const int keys_left = p.seqlen_k - n_block * kBlockN;
-  // Query blocks with a row that sees a key of this block (causal: query i sees keys j <= i + shift).
-  const int m_block_max = ceil_div(p.seqlen_q, kBlockM);
-  const int m_block_min = p.causal ? max(0, n_block * kBlockN - (p.seqlen_k - p.seqlen_q)) / kBlockM : 0;
+  // The query blocks with a row that sees a key of this block (probs_and_grads masks per element). The first
+  // is derived here from the first key's rows rather than taken from query_blocks: the same value, but in this
+  // form the kernel compiles to the code of its causal-only arithmetic (from query_blocks its schedule moved,
+  // 3-4 % slower at head dim 256).
+  const int m_block_begin = mask_policy(p).right_bounded() ? mask_policy(p).row_begin(n_block * kBlockN) / kBlockM : 0;
+  const int m_block_end = mask_policy(p).query_blocks<kBlockM, kBlockN>(n_block).end;
 
   const auto gQ = head_rows<kBlockM, kHeadDim, half_t const>(p.q, batch, head);
   const auto gdO = head_rows<kBlockM, kHeadDim, half_t const>(p.dout, batch, head);
@@ -434,8 +436,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     Traits::CopyQ::store(q_src, sQ, tid);
     Traits::CopyQ::store(do_src, sdO, tid);
   };
-  if ((Traits::kLoadAhead || Traits::kPingPong) && m_block_min < m_block_max) {
-    load_step(m_block_min, q_regs, do_regs);
+  if ((Traits::kLoadAhead || Traits::kPingPong) && m_block_begin < m_block_end) {
+    load_step(m_block_begin, q_regs, do_regs);
     if constexpr (Traits::kPingPong) store_step(Traits::buffers(smem, 0), q_regs, do_regs);
   }
 
@@ -472,14 +474,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   };
 
   int which = 0;  // the region holding the step's Q and dO (always 0 without kPingPong)
-  const int row_in_block = tid / Traits::kThreadsPerRow;                   // the calling thread's in probs_and_grads
-  RowStats row_ahead(p, row_stats, m_block_min * kBlockM + row_in_block);  // kLoadAhead: the coming step's
-  for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+  const int row_in_block = tid / Traits::kThreadsPerRow;                     // the calling thread's in probs_and_grads
+  RowStats row_ahead(p, row_stats, m_block_begin * kBlockM + row_in_block);  // kLoadAhead: the coming step's
+  for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
     // No warp still reads the previous Q, dO, P, dS or its staging tile; with kPingPong, this step's Q
     // and dO are in place.
     __syncthreads();
     const auto buf = Traits::buffers(smem, which);
-    const bool has_next = m_block + 1 < m_block_max;
+    const bool has_next = m_block + 1 < m_block_end;
     const int m_next = m_block + 1;  // if has_next
     if constexpr (Traits::kLoadAhead) {
       store_step(buf, q_regs, do_regs);
@@ -610,8 +612,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   auto const* ds_lo = reinterpret_cast<__half const*>(smem.ds_lo.data());
   auto const* s_k = reinterpret_cast<__half const*>(smem.k.data());
 
-  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
-  for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
+  const BlockRange keys = mask_policy(p).key_blocks<kBlockM, kBlockN>(m_block);
+  for (int n_block = keys.begin; n_block < keys.end; ++n_block) {
     __syncthreads();  // no warp still reads the previous K, V or dS
     const int keys_left = p.seqlen_k - n_block * kBlockN;
     Traits::CopyKV::copy(gK.block(n_block), sK, keys_left, p.head_dim, tid);

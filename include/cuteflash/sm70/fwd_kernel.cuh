@@ -13,7 +13,7 @@
 // and O = O / l at the end.
 #pragma once
 
-#include "cuteflash/block_info.cuh"
+#include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/sm70/wmma.cuh"
 
@@ -122,9 +122,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
 
   Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
 
-  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
-  const int causal_limit = p.causal ? q_row + p.seqlen_k - p.seqlen_q + 1 : p.seqlen_k;
-  const int key_limit = min(p.seqlen_k, causal_limit);  // keys < key_limit are visible to my row
+  // Key blocks [keys.begin, keys.end), masked from keys.unmasked_end on. mask_policy bounds no row on the left,
+  // so keys.begin == keys.unmasked_begin and a row's keys end at key_limit (a window's left edge adds masked
+  // blocks at the start, and a second bound per row).
+  const BlockRange keys = mask_policy(p).key_blocks<kBlockM, kBlockN>(m_block);
+  const int key_limit = mask_policy(p).key_end(q_row);  // keys < key_limit are visible to my row
 
   // The row (within its 16x16 tile) of each element of an accumulator fragment, learned from a tile of
   // row numbers.
@@ -159,13 +161,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   // after the barrier that frees its buffer, so the loop keeps two barriers per block.
   auto kv_regs = Traits::CopyKV::make_regs();
   auto keys_left = [&](int n_block) { return p.seqlen_k - n_block * kBlockN; };
-  if (keys.n_block_max > 0) {
-    Traits::CopyKV::copy(gK.block(0), sK, keys_left(0), p.head_dim, tid);
-    Traits::CopyKV::load(gV.block(0), kv_regs, keys_left(0), p.head_dim, tid);
+  if (!keys.empty()) {
+    Traits::CopyKV::copy(gK.block(keys.begin), sK, keys_left(keys.begin), p.head_dim, tid);
+    Traits::CopyKV::load(gV.block(keys.begin), kv_regs, keys_left(keys.begin), p.head_dim, tid);
   }
 
-  for (int n_block = 0; n_block < keys.n_block_max; ++n_block) {
-    const bool has_next = n_block + 1 < keys.n_block_max;
+  for (int n_block = keys.begin; n_block < keys.end; ++n_block) {
+    const bool has_next = n_block + 1 < keys.end;
     __syncthreads();  // K(n) is in sK; no warp still reads sV
     Traits::CopyKV::store(kv_regs, sV, tid);
 
@@ -217,8 +219,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
       s[4 * i + 2] = v.z;
       s[4 * i + 3] = v.w;
     }
-    __syncwarp();                                // every lane holds its S: P takes its place
-    if (n_block >= keys.n_block_first_masked) {  // a block with keys past the end or past a causal limit
+    __syncwarp();                        // every lane holds its S: P takes its place
+    if (n_block >= keys.unmasked_end) {  // a block with keys past the end or past some row's last key
       CUTE_UNROLL
       for (int i = 0; i < kQuads; ++i) {
         CUTE_UNROLL

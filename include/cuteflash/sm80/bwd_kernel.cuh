@@ -94,19 +94,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   const int head_k = head / (p.nheads / p.nheads_k);
   const int tid = threadIdx.x;
   const int keys_left = p.seqlen_k - n_block * kBlockN;
-  const int shift = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + shift
-
-  // Query blocks with a row that sees a key of this block, and the first from which no row needs a mask.
-  const int m_block_max = ceil_div(p.seqlen_q, kBlockM);
-  int m_block_min = 0;
-  int m_block_first_unmasked = 0;
-  if (p.causal) {
-    m_block_min = max(0, n_block * kBlockN - shift) / kBlockM;
-    int first_full_row = (n_block + 1) * kBlockN - 1 - shift;  // sees every key of the block
-    m_block_first_unmasked = first_full_row <= 0 ? 0 : ceil_div(first_full_row, kBlockM);
-  }
-  if (keys_left < kBlockN) m_block_first_unmasked = m_block_max;  // keys past seqlen_k in every step
-  m_block_first_unmasked = max(m_block_min, min(m_block_first_unmasked, m_block_max));
+  // The query blocks with a row that sees a key of this block, and those that need no mask.
+  const BlockRange queries = mask_policy(p).query_blocks<kBlockM, kBlockN>(n_block);
 
   const auto gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, batch, head);
   const auto gdO = head_rows<kBlockM, kHeadDim, Element const>(p.dout, batch, head);
@@ -140,12 +129,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKVcKV, keys_left, p.head_dim);
   copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKVcKV, keys_left, p.head_dim);
-  // Every query block but the last is full: without a head-dim remainder it loads without bounds checks
+  // A whole query block without a head-dim remainder loads without bounds checks
   // (whose zero-filling stores nvcc would otherwise issue, predicated off, in every step).
   const bool full_head_dim = p.head_dim == kHeadDim;
   auto load_rows = [&](auto const& rows, auto&& dst, int m_block) {
     Tensor src = gmem_thr.partition_S(rows.block(m_block));  // (CPY, CPY_M, CPY_K)
-    if (full_head_dim && m_block < m_block_max - 1) {
+    if (full_head_dim && (m_block + 1) * kBlockM <= p.seqlen_q) {
       copy(gmem_copy, src, dst);
     } else {
       copy_tile_bounded<true>(gmem_copy, src, dst, tQcQ, p.seqlen_q - m_block * kBlockM, p.head_dim);
@@ -155,9 +144,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
     load_rows(gQ, make_tensor(tQsQ.data() + stage * kQSize, tQsQ.layout()), m_block);
   };
   auto load_do = [&](int m_block) { load_rows(gdO, tdOsdO, m_block); };
-  if (m_block_min < m_block_max) {
-    load_q(m_block_min, 0);
-    load_do(m_block_min);
+  if (!queries.empty()) {
+    load_q(queries.begin, 0);
+    load_do(queries.begin);
   }
   cp_async_commit();
 
@@ -220,8 +209,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   // kernel: at head dim 256 nvcc does not inline such a lambda, and every fragment it captures goes to
   // local memory.
   int q_stage = 0;
-  for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-    const bool has_next = m_block + 1 < m_block_max;
+  for (int m_block = queries.begin; m_block < queries.end; ++m_block) {
+    const bool has_next = m_block + 1 < queries.end;
     cp_async_wait<0>();
     __syncthreads();  // Q and dO of this block (and K, V) are in shared memory
 
@@ -238,8 +227,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
 
     // P, in place; rows past seqlen_q get lse = +inf: P = 0.
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
-    if (m_block < m_block_first_unmasked) {
-      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
+    if (queries.masked(m_block)) {
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p));
     }
     scores_to_probs(s, lse_log2, p.softmax_scale_log2);
     copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_s)), tPsP);
@@ -367,8 +356,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
 
   // A block that sees no key (causal, seqlen_q > seqlen_k) has dQ = 0 and loads nothing: the epilogue
   // reuses sQ, which a Q copy still in flight (awaited only inside the key loop) would overwrite.
-  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
-  if (keys.n_block_max == 0) {
+  const BlockRange keys = mask_policy(p).key_blocks<kBlockM, kBlockN>(m_block);
+  if (keys.empty()) {
     store_zero_tile<Traits>(sQ, gdQ, rows_left, p.head_dim);
     return;
   }
@@ -409,7 +398,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   float lse_log2[kRows], d_row[kRows];
   load_row_stats(p, (int64_t(batch) * p.nheads + head) * p.seqlen_q, m_block * kBlockM, tScS_rc, lse_log2, d_row);
 
-  for (int n_block = keys.n_block_max - 1; n_block >= 0; --n_block) {
+  for (int n_block = keys.end - 1; n_block >= keys.begin; --n_block) {
     __syncthreads();  // no warp still reads the previous K and V
     int keys_left = p.seqlen_k - n_block * kBlockN;
     copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gK.block(n_block)), tKsK, tKVcKV, keys_left, p.head_dim);
@@ -426,8 +415,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
     gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, tiled_mma, copy_a, thr_a, copy_b, thr_b);
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-    if (n_block >= keys.n_block_first_masked) {
-      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
+    if (keys.masked(n_block)) {
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p));
     }
     scores_to_probs(s, lse_log2, p.softmax_scale_log2);
     probs_to_grads(s, dp, d_row, p.softmax_scale);

@@ -7,7 +7,7 @@
 // K of the next block loads while the softmax and P V of this one run; V loads while S is computed.
 #pragma once
 
-#include "cuteflash/block_info.cuh"
+#include "cuteflash/mask.cuh"
 #include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/softmax.cuh"
@@ -127,8 +127,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});   // (kBlockN, kHeadDim)
   Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});  // (kHeadDim, kBlockN)
 
-  const KeyRange<kBlockM, kBlockN> keys(p, m_block);
-  if (keys.n_block_max == 0) {
+  // The key blocks to visit, downwards: first those from keys.unmasked_end on, which hold keys past seqlen_k or
+  // past some row's last key, with a mask; then the rest without. mask_policy bounds no row on the left, so
+  // keys.begin == keys.unmasked_begin (a window's left edge adds masked blocks at the end of the walk).
+  const BlockRange keys = mask_policy(p).key_blocks<kBlockM, kBlockN>(m_block);
+  if (keys.empty()) {
     store_empty_block<Traits>(sO, gO, lse, p, rows_left);
     return;
   }
@@ -146,7 +149,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   // the tile (5 % faster on H200).
   auto load_kv = [&](auto const& rows, auto& tDst, int n_block) {
     Tensor tSrc = gmem_thr.partition_S(rows.block(n_block));  // (CPY, CPY_N, CPY_K)
-    if (n_block < keys.n_block_max - 1 && p.head_dim == kHeadDim) {
+    if (n_block < keys.end - 1 && p.head_dim == kHeadDim) {
       copy(gmem_copy, tSrc, tDst);
     } else {
       copy_tile_bounded<true>(gmem_copy, tSrc, tDst, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
@@ -154,7 +157,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     cp_async_commit();
   };
 
-  int n_block = keys.n_block_max - 1;
+  int n_block = keys.end - 1;
   copy_tile_bounded<true>(gmem_copy, tQgQ, tQsQ, tQcQ, rows_left, p.head_dim);
   load_kv(gK, tKsK, n_block);
 
@@ -194,7 +197,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_thr_q, smem_copy_k, smem_thr_k);
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
     if constexpr (decltype(masked)::value) {
-      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, p.seqlen_q, p.seqlen_k, p.causal);
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p));
     }
 
     cp_async_wait<0>();
@@ -206,8 +209,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));  // (MMA, MMA_M, MMA_K over keys)
     gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
   };
-  for (; n_block >= keys.n_block_first_masked; --n_block) step(n_block, cute::true_type{});
-  for (; n_block >= 0; --n_block) step(n_block, cute::false_type{});
+  for (; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{});
+  for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{});
 
   // ---- Epilogue: O /= l, lse = m * scale + log(l); O goes through shared memory for 16-byte stores.
   float row_lse[kRows];
