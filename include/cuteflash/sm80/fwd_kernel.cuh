@@ -8,7 +8,6 @@
 #pragma once
 
 #include "cuteflash/mask.cuh"
-#include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/softmax.cuh"
 #include "cuteflash/sm80/traits.h"
