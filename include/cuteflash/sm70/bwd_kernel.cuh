@@ -233,7 +233,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   const bool swap = (tid % Traits::kThreadsPerRow) >= 4;
   const int q_row = m_block * Traits::kBlockM + r;
   const int key0 = n_block * Traits::kBlockN + c0;
-  const int key_limit = mask_policy(p).key_end(q_row);  // my row sees the keys below (no left bound yet)
+  const int key_limit = mask_policy(p).key_end(q_row);  // my row sees the keys below (no left bound)
   const int mine = r * Traits::kLdS + c0;
   const int mine_p = r * Traits::kLdP + c0;
   auto* p_hi = reinterpret_cast<__half*>(smem.p_hi.data()) + mine_p;
