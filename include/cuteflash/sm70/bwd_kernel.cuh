@@ -21,7 +21,7 @@
 #include "cuteflash/bwd_preprocess.cuh"
 #include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
-#include "cuteflash/sm70/wmma.cuh"
+#include "cuteflash/sm70/traits.h"
 
 namespace cuteflash::sm70 {
 
@@ -38,123 +38,6 @@ constexpr int kSumExpCap = 100;
 
 // 2^e for -126 <= e <= 127, exactly.
 __device__ __forceinline__ float exp2f_int(int e) { return __int_as_float((e + 127) << 23); }
-
-template <int kHeadDim_, int kBlockM_, int kBlockN_, bool kPingPong_ = false>
-struct BwdTraits {
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBlockM_;  // query rows per step
-  static constexpr int kBlockN = kBlockN_;  // keys per step (of a dK/dV thread block: all of its keys)
-  // Two shared regions that trade roles each step: one holds the step's Q and dO, the other S and dP
-  // and then, once P and dS are made, the next step's Q and dO, loaded during the step (see the loop in
-  // bwd_kernel): a step begins with one barrier instead of a copy from global memory between two. Costs
-  // a region and the warps' staging tiles, which then cannot alias the scratch: 96 KB at d=128, all a
-  // V100 has. Used above d=64 only (3.5 % faster at d=128, slower at d=64).
-  static constexpr bool kPingPong = kPingPong_;
-  static constexpr int kNWarps = 8;
-  static constexpr int kNThreads = kNWarps * 32;
-  // Blocks per SM that the registers must allow (__launch_bounds__; 0: the compiler's choice). On the
-  // sm70 family's own GPUs one block fills the shared memory (64-96 KB per SM), but where the family
-  // is compiled for a larger GPU (to test it there) two fit: capping head dims <= 128 at 128 registers
-  // lets them run, for a few bytes of spills (20 % faster at d=128 on H200). An explicit 1 is not the
-  // same as none: ptxas then takes up to 255.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  static constexpr int kMinBlocks = kHeadDim <= 128 ? 2 : 0;
-#else
-  static constexpr int kMinBlocks = 0;
-#endif
-  // Q and dO of a step without kPingPong: at head dim 64, loaded into registers during the step before
-  // (Volta has no cp.async) and stored at its top; above, where registers are the scarcest (dK and dV
-  // take 64 of 128 at d=128), prefetched during the step before (GmemTileCopy::prefetch) and copied at
-  // the top of the step, holding no registers through the products (8 % faster at d=128 than loading
-  // ahead, which there makes ptxas spill the loaded registers at once, waiting for the loads).
-  static constexpr bool kLoadAhead = !kPingPong && kHeadDim <= 64;
-  // dS stored with the current scale s before the block's largest |dS| is known, and again in the rare
-  // step that needs another s: one barrier less per step than storing it once s is known (2 % faster at
-  // d=64, slower at d=128).
-  static constexpr bool kEagerDs = kHeadDim <= 64;
-  // The order of a step's products: above head dim 64 dQ, dV, dK (2 % faster than dQ last at d=128); at
-  // d=64 dV, dK, dQ (1-2 % faster than dQ first).
-  static constexpr bool kDqFirst = kHeadDim > 64;
-  static_assert(kHeadDim % 32 == 0 && kBlockM % 16 == 0 && kBlockN % 16 == 0);
-
-  // Row-major shared tiles padded by 16 bytes per row against bank conflicts (WMMA loads take a
-  // pointer and a leading dimension: no swizzle).
-  static constexpr int kLdQKV = kHeadDim + 8;  // halves
-  // floats: S and dP, (kBlockM, kBlockN) each. Rows 8 banks apart: the accumulator stores of 16 lanes
-  // (4 rows of 8-byte pairs, as WMMA lowers on sm80+) hit distinct banks; the element-wise reads take one
-  // row per quarter-warp and do not care.
-  static constexpr int kLdS = kBlockN + 8;
-  static constexpr int kLdP = kBlockN + 8;  // halves: P and dS hi / lo, (kBlockM, kBlockN)
-
-  // The element-wise phase: each thread owns kCols consecutive columns of one row of S and dP.
-  static constexpr int kCols = kBlockM * kBlockN / kNThreads;
-  static constexpr int kThreadsPerRow = kBlockN / kCols;
-  static_assert(kCols >= 1 && kThreadsPerRow * kCols == kBlockN && 32 % kThreadsPerRow == 0);
-
-  // 16x16 output tiles of S and dP, dealt to the warps round-robin.
-  static constexpr int kScoreTiles = (kBlockM / 16) * (kBlockN / 16);
-  // Tiles of a row of S or dP per warp (sharing A): 2 where the block has twice as many tiles as warps.
-  static constexpr int kScoreGroup = kScoreTiles >= kNWarps && (kBlockN / 16) % 2 == 0 ? 2 : 1;
-  // dK and dV (key tiles), dQ (query tiles): a warp's tiles share their rows, the split A operand (P^T,
-  // dS^T, dS: 2 fragments per step along K) loaded once per step for all of them, the B fragments (one
-  // per tile and step) one at a time (sharing columns instead, B loaded once and A per tile for each
-  // step, takes 50 % more fragment loads for dK and dV at d=128).
-  // kSplitKeyProducts: dV on the first half of the warps, dK on the other, each warp a whole 16-key row
-  // of its product, so that a split A fragment (P^T or dS^T) serves 4 tiles instead of 2. At d=64 shared
-  // memory's bandwidth bounds the step, mostly through fragment loads, and this takes a quarter of dV's
-  // and dK's loads away.
-  static constexpr bool kSplitKeyProducts = kHeadDim <= 64;
-  using KeyTiles = WarpRowTiles<kBlockN / 16, kHeadDim / 16, kSplitKeyProducts ? kNWarps / 2 : kNWarps>;
-  using QueryTiles = WarpRowTiles<kBlockM / 16, kHeadDim / 16, kNWarps>;
-
-  using SmemLayoutQ = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
-  using SmemLayoutKV = Layout<Shape<Int<kBlockN>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
-  using CopyQ = GmemTileCopy<kBlockM, kHeadDim, kNThreads>;
-  using CopyKV = GmemTileCopy<kBlockN, kHeadDim, kNThreads>;
-
-  // The Q region holds Q, dO (kQHalves each) and the warps' slots of a block-wide max; the scratch, S
-  // and dP side by side, fp32. With kPingPong both regions take either role; without, region 0 is the Q
-  // region and region 1 the scratch, which between steps also holds each warp's 16x16 fp32 tile on its
-  // way out (its staging tile).
-  static constexpr int kQHalves = cosize_v<SmemLayoutQ>;
-  static constexpr int kQRegionBytes = 2 * kQHalves * 2 + kNWarps * 4;
-  static constexpr int kScratchBytes = 2 * kBlockM * kLdS * 4;
-  // A staging tile's leading dimension, in floats: 24 where the tiles fit in the scratch that way
-  // (conflict-free accumulator stores and, in red_add_tile, reads), else 16, the shared memory the tile
-  // variants of the smaller GPUs have (with kPingPong, at d=128, a V100 has no 4 KB to spare).
-  static constexpr int kStageLd = !kPingPong && kScratchBytes >= kNWarps * 16 * 24 * 4 ? 24 : 16;
-  static constexpr int kStageFloats = kNWarps * 16 * kStageLd;
-  static constexpr int kRegionBytes[2] = {
-      kPingPong ? cute::max(kQRegionBytes, kScratchBytes) : kQRegionBytes,
-      kPingPong ? cute::max(kQRegionBytes, kScratchBytes) : cute::max(kScratchBytes, kStageFloats * 4)};
-
-  struct SharedStorage {  // 32-byte alignment: WMMA loads and stores need 256-bit aligned pointers
-    array_aligned<char, kRegionBytes[0], 32> region0;
-    array_aligned<char, kRegionBytes[1], 32> region1;
-    array_aligned<half_t, cosize_v<SmemLayoutKV>, 32> k, v;
-    array_aligned<half_t, kBlockM * kLdP, 32> p_hi, p_lo, ds_hi, ds_lo;
-    array_aligned<float, kPingPong ? kStageFloats : 8, 32> stage;  // with kPingPong (else in the scratch)
-  };
-  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
-
-  // The buffers of a step whose Q and dO are in region `which` (always 0 without kPingPong).
-  struct Buffers {
-    half_t* q;
-    half_t* dout;
-    float* warp_max;
-    float* scratch;
-  };
-  __device__ static Buffers buffers(SharedStorage& smem, int which) {
-    char* q_region = which == 0 ? smem.region0.data() : smem.region1.data();
-    char* other = which == 0 ? smem.region1.data() : smem.region0.data();
-    auto* q = reinterpret_cast<half_t*>(q_region);
-    return {q, q + kQHalves, reinterpret_cast<float*>(q + 2 * kQHalves), reinterpret_cast<float*>(other)};
-  }
-  // The calling warp's staging tile.
-  __device__ static float* stage(SharedStorage& smem, int warp) {
-    return (kPingPong ? smem.stage.data() : reinterpret_cast<float*>(smem.region1.data())) + warp * 16 * kStageLd;
-  }
-};
 
 // A block-wide max in two halves around a barrier: post_warp_max puts the largest x of the calling
 // thread's warp (warp) in its slot of warp_max (which no thread may still be reading); after a
@@ -262,10 +145,10 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   CUTE_UNROLL
   for (int c = 0; c < kCols; ++c) ds_max = fmaxf(ds_max, fabsf(ds[c]));
   store_split(prob, p_scale(p), p_hi, p_lo);
-  // Traits::kEagerDs: dS is stored with the current s before the block's largest |dS| is known (one
+  // Traits::kSchedule.eager_ds: dS is stored with the current s before the block's largest |dS| is known (one
   // barrier for both); a step that needs another s (rare: dS's magnitude moved by more than kDsSlack
   // binades) stores it again.
-  if constexpr (Traits::kEagerDs) store_split(ds, exp2f_int(ds_exp), ds_hi, ds_lo);
+  if constexpr (Traits::kSchedule.eager_ds) store_split(ds, exp2f_int(ds_exp), ds_hi, ds_lo);
   post_warp_max(ds_max, buf.warp_max, warp);
   __syncthreads();  // P is complete, and dS where stored eagerly
   ds_max = read_block_max<Traits::kNWarps>(buf.warp_max);
@@ -293,13 +176,13 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
         ds_exp += raise;
       }
     }
-    if (Traits::kEagerDs && ds_exp != old_exp) {  // the same in every thread: dS again, with the new s
-      probs_and_grads_of_thread();                // recomputed rather than held in registers through the barriers
+    if (Traits::kSchedule.eager_ds && ds_exp != old_exp) {  // the same in every thread: dS again, with the new s
+      probs_and_grads_of_thread();  // recomputed rather than held in registers through the barriers
       store_split(ds, exp2f_int(ds_exp), ds_hi, ds_lo);
       __syncthreads();
     }
   }
-  if constexpr (!Traits::kEagerDs) {
+  if constexpr (!Traits::kSchedule.eager_ds) {
     store_split(ds, exp2f_int(ds_exp), ds_hi, ds_lo);
     __syncthreads();  // dS is complete
   }
@@ -362,13 +245,109 @@ __device__ __forceinline__ void red_add_tile(FragAcc const& acc, float scale, fl
   }
 }
 
+// The loads of the dK/dV kernel's steps: Q and dO of query block m_block, from global memory into registers
+// (load) and from there into a step's region (store), or straight into it (copy), or into L2 (prefetch).
+// The kernel's loop stages them as Traits::kStaging says (tile_config.h).
+template <typename Traits>
+struct QdoLoads {
+  static constexpr int kBlockM = Traits::kBlockM;
+  using Rows = HeadRows<kBlockM, Traits::kHeadDim, half_t const>;  // block(i): (kBlockM, kHeadDim)
+  using Regs = decltype(Traits::CopyQ::make_regs());
+
+  BwdParams const& p;
+  Rows q, dout;
+  int tid;
+
+  __device__ QdoLoads(BwdParams const& p_, int batch, int head, int tid_)
+      : p(p_),
+        q(head_rows<kBlockM, Traits::kHeadDim, half_t const>(p_.q, batch, head)),
+        dout(head_rows<kBlockM, Traits::kHeadDim, half_t const>(p_.dout, batch, head)),
+        tid(tid_) {}
+
+  __device__ int rows_left(int m_block) const { return p.seqlen_q - m_block * kBlockM; }
+  __device__ void load(int m_block, Regs& q_dst, Regs& do_dst) const {
+    Traits::CopyQ::load(q.block(m_block), q_dst, rows_left(m_block), p.head_dim, tid);
+    Traits::CopyQ::load(dout.block(m_block), do_dst, rows_left(m_block), p.head_dim, tid);
+  }
+  __device__ void store(typename Traits::Buffers const& buf, Regs const& q_src, Regs const& do_src) const {
+    Tensor sQ = make_tensor(make_smem_ptr(buf.q), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(buf.dout), typename Traits::SmemLayoutQ{});
+    Traits::CopyQ::store(q_src, sQ, tid);
+    Traits::CopyQ::store(do_src, sdO, tid);
+  }
+};
+
+// The dV accumulators of the dK/dV kernel: its own (dv), or with split_key_products those of dK (a warp has
+// the tiles of one of the two).
+template <bool kSplit, int kCount, int kOwn>
+__device__ __forceinline__ FragAcc (&dv_tiles(FragAcc (&dk)[kCount], FragAcc (&dv)[kOwn])) [kCount] {
+  if constexpr (kSplit) return dk;
+  else return dv;
+}
+
+// dV += P^T dO (in units of p_scale) and dK += dS^T Q (in units of s), into the warp's key tiles: A read
+// transposed from P and dS, K = the step's queries. The warp's band of P^T / dS^T is its key tile row's 16
+// columns of P / dS.
+template <typename Traits, typename KeyTiles>
+__device__ __forceinline__
+    void key_products(FragAcc (&acc_dk)[KeyTiles::kCount], FragAcc (&acc_dv)[KeyTiles::kCount],
+                      KeyTiles const& key_tiles, bool has_dk, bool has_dv, typename Traits::SharedStorage const& smem,
+                      __half const* s_q, __half const* s_do, bool correction) {
+  constexpr int kLd = Traits::kLdQKV;
+  constexpr int kLdP = Traits::kLdP;
+  const int band = key_tiles.row * 16;
+  if (has_dv) {
+    mma_row_tiles_split<Traits::kBlockM, true>(
+        acc_dv, key_tiles, reinterpret_cast<__half const*>(smem.p_hi.data()) + band,
+        reinterpret_cast<__half const*>(smem.p_lo.data()) + band, kLdP, s_do, kLd, correction);
+  }
+  if (has_dk) {
+    mma_row_tiles_split<Traits::kBlockM, true>(
+        acc_dk, key_tiles, reinterpret_cast<__half const*>(smem.ds_hi.data()) + band,
+        reinterpret_cast<__half const*>(smem.ds_lo.data()) + band, kLdP, s_q, kLd, correction);
+  }
+}
+
+// dQ += scale dS K / s for query block m_block, in the warp's query tiles, added to the fp32 dq_accum tile
+// by tile through the warp's staging tile.
+template <typename Traits, typename QueryTiles>
+__device__ __forceinline__ void query_product_atomic(QueryTiles const& query_tiles,
+                                                     typename Traits::SharedStorage const& smem, BwdParams const& p,
+                                                     int m_block, float ds_unscale, float* stage, float* dq_accum) {
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kLdP = Traits::kLdP;
+  FragAcc acc[QueryTiles::kCount];
+  CUTE_UNROLL
+  for (int i = 0; i < QueryTiles::kCount; ++i) nvcuda::wmma::fill_fragment(acc[i], 0.f);
+  const int band = query_tiles.row * 16 * kLdP;
+  mma_row_tiles_split<Traits::kBlockN, false>(
+      acc, query_tiles, reinterpret_cast<__half const*>(smem.ds_hi.data()) + band,
+      reinterpret_cast<__half const*>(smem.ds_lo.data()) + band, kLdP, reinterpret_cast<__half const*>(smem.k.data()),
+      Traits::kLdQKV, p.fp16_correction);
+  const int row0 = m_block * Traits::kBlockM + query_tiles.row * 16;
+  query_tiles.for_each([&](int i, int col0) {
+    red_add_tile<Traits::kStageLd>(acc[i], p.softmax_scale * ds_unscale, stage,
+                                   dq_accum + int64_t(row0) * kHeadDim + col0, kHeadDim, p.seqlen_q - row0,
+                                   p.head_dim - col0);
+  });
+}
+
+// dK/dV kernel: one thread block per key block, walking the query blocks that see it. Phases: the loads
+// (K and V once, Q and dO per step: QdoLoads), the softmax gradient (probs_and_grads), the products
+// (key_products, query_product_atomic, in the order of Traits::kSchedule), the epilogue (dK and dV, and the
+// head's dQ by its last block).
+// The dK/dV kernel: one thread block per key block, walking the query blocks that see it. A step's phases:
+// loads (Q and dO, staged as Traits::kStaging says), the softmax gradient (probs_and_grads), the products
+// (key_products, query_product_atomic, ordered by Traits::kSchedule); then the epilogue (dK, dV, and the
+// head's dQ by its last block).
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_kernel(const BwdParams p) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
-  constexpr int kLd = Traits::kLdQKV;
-  constexpr int kLdP = Traits::kLdP;
+  constexpr bool kRegisters = Traits::kStaging == Sm70QStaging::kRegisters;
+  constexpr bool kPrefetch = Traits::kStaging == Sm70QStaging::kPrefetch;
+  constexpr bool kPingPong = Traits::kStaging == Sm70QStaging::kPingPong;
   extern __shared__ __align__(128) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
@@ -386,9 +365,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   const int m_block_begin = mask_policy(p).right_bounded() ? mask_policy(p).row_begin(n_block * kBlockN) / kBlockM : 0;
   const int m_block_end = mask_policy(p).query_blocks<kBlockM, kBlockN>(n_block).end;
 
-  const auto gQ = head_rows<kBlockM, kHeadDim, half_t const>(p.q, batch, head);
-  const auto gdO = head_rows<kBlockM, kHeadDim, half_t const>(p.dout, batch, head);
-  // block(i) of gQ, gdO: (kBlockM, kHeadDim)
+  const QdoLoads<Traits> loads(p, batch, head, tid);
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
   Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim, half_t const>(p.k, batch, head_k).block(n_block), sK, keys_left,
@@ -397,85 +374,45 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
                        p.head_dim, tid);
 
   using KeyTiles = typename Traits::KeyTiles;
-  constexpr bool kSplit = Traits::kSplitKeyProducts;
+  constexpr bool kSplit = Traits::kSchedule.split_key_products;
   const KeyTiles key_tiles(kSplit ? warp % (Traits::kNWarps / 2) : warp);
-  // The warp's tiles of dK and dV; with kSplit those of one of them (has_dk, has_dv), in acc_dk either way.
+  // The warp's tiles of dK and dV; with split_key_products those of one of them (has_dk, has_dv), in acc_dk
+  // either way.
   const bool has_dk = !kSplit || warp >= Traits::kNWarps / 2;
   const bool has_dv = !kSplit || warp < Traits::kNWarps / 2;
   FragAcc acc_dk[KeyTiles::kCount], acc_dv_own[kSplit ? 1 : KeyTiles::kCount];
-  auto& acc_dv = [&]() -> FragAcc(&)[KeyTiles::kCount] {
-    if constexpr (kSplit) return acc_dk;
-    else return acc_dv_own;
-  }();
+  auto& acc_dv = dv_tiles<kSplit>(acc_dk, acc_dv_own);
   int ds_exp = 0;  // dS, and so dK, are kept in units of 2^ds_exp (probs_and_grads)
   CUTE_UNROLL
   for (int i = 0; i < KeyTiles::kCount; ++i) {
     nvcuda::wmma::fill_fragment(acc_dk[i], 0.f);
     if constexpr (!kSplit) nvcuda::wmma::fill_fragment(acc_dv[i], 0.f);
   }
-  auto const* p_hi = reinterpret_cast<__half const*>(smem.p_hi.data());
-  auto const* p_lo = reinterpret_cast<__half const*>(smem.p_lo.data());
-  auto const* ds_hi = reinterpret_cast<__half const*>(smem.ds_hi.data());
-  auto const* ds_lo = reinterpret_cast<__half const*>(smem.ds_lo.data());
-  auto const* s_k = reinterpret_cast<__half const*>(smem.k.data());
   float* stage = Traits::stage(smem, warp);
   const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
   float* dq_accum = dq_accum_region<kHeadDim>(p, batch, head);  // row-major
 
-  // Q and dO of a query block, loaded into registers and stored into a region (store_step) later.
-  using Regs = decltype(Traits::CopyQ::make_regs());
-  Regs q_regs, do_regs;  // kLoadAhead: from a step's top to the next's
-  auto load_step = [&](int m_block, Regs& q_dst, Regs& do_dst) {
-    const int rows_left = p.seqlen_q - m_block * kBlockM;
-    Traits::CopyQ::load(gQ.block(m_block), q_dst, rows_left, p.head_dim, tid);
-    Traits::CopyQ::load(gdO.block(m_block), do_dst, rows_left, p.head_dim, tid);
-  };
-  auto store_step = [&](typename Traits::Buffers const& buf, Regs const& q_src, Regs const& do_src) {
-    Tensor sQ = make_tensor(make_smem_ptr(buf.q), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(buf.dout), typename Traits::SmemLayoutQ{});
-    Traits::CopyQ::store(q_src, sQ, tid);
-    Traits::CopyQ::store(do_src, sdO, tid);
-  };
-  if ((Traits::kLoadAhead || Traits::kPingPong) && m_block_begin < m_block_end) {
-    load_step(m_block_begin, q_regs, do_regs);
-    if constexpr (Traits::kPingPong) store_step(Traits::buffers(smem, 0), q_regs, do_regs);
+  // Loads: kRegisters keeps a step's Q and dO in registers from the top of the step before, kPingPong puts
+  // the first step's in region 0.
+  using Regs = typename QdoLoads<Traits>::Regs;
+  Regs q_regs, do_regs;
+  if ((kRegisters || kPingPong) && m_block_begin < m_block_end) {
+    loads.load(m_block_begin, q_regs, do_regs);
+    if constexpr (kPingPong) loads.store(Traits::buffers(smem, 0), q_regs, do_regs);
   }
 
-  // dV += P^T dO (in units of p_scale) and dK += dS^T Q (in units of s): A read transposed from P / dS,
-  // K = the step's queries. The warp's band of P^T / dS^T is the key tile row's 16 columns of P / dS.
+  // Products.
+  const typename Traits::QueryTiles query_tiles(warp);
   auto dv_dk = [&](__half const* s_q, __half const* s_do) {
-    const int band = key_tiles.row * 16;
-    if (has_dv) {
-      mma_row_tiles_split<kBlockM, true>(acc_dv, key_tiles, p_hi + band, p_lo + band, kLdP, s_do, kLd,
-                                         p.fp16_correction);
-    }
-    if (has_dk) {
-      mma_row_tiles_split<kBlockM, true>(acc_dk, key_tiles, ds_hi + band, ds_lo + band, kLdP, s_q, kLd,
-                                         p.fp16_correction);
-    }
+    key_products<Traits>(acc_dk, acc_dv, key_tiles, has_dk, has_dv, smem, s_q, s_do, p.fp16_correction);
   };
-  // dQ += scale dS K / s, added to the fp32 buffer tile by tile.
-  using QueryTiles = typename Traits::QueryTiles;
-  const QueryTiles query_tiles(warp);
   auto dq = [&](int m_block, float ds_unscale) {
-    if (p.deterministic) return;
-    FragAcc acc[QueryTiles::kCount];
-    CUTE_UNROLL
-    for (int i = 0; i < QueryTiles::kCount; ++i) nvcuda::wmma::fill_fragment(acc[i], 0.f);
-    const int band = query_tiles.row * 16 * kLdP;
-    mma_row_tiles_split<kBlockN, false>(acc, query_tiles, ds_hi + band, ds_lo + band, kLdP, s_k, kLd,
-                                        p.fp16_correction);
-    const int row0 = m_block * kBlockM + query_tiles.row * 16;
-    query_tiles.for_each([&](int i, int col0) {
-      red_add_tile<Traits::kStageLd>(acc[i], p.softmax_scale * ds_unscale, stage,
-                                     dq_accum + int64_t(row0) * kHeadDim + col0, kHeadDim, p.seqlen_q - row0,
-                                     p.head_dim - col0);
-    });
+    if (!p.deterministic) query_product_atomic<Traits>(query_tiles, smem, p, m_block, ds_unscale, stage, dq_accum);
   };
 
   int which = 0;  // the region holding the step's Q and dO (always 0 without kPingPong)
   const int row_in_block = tid / Traits::kThreadsPerRow;                     // the calling thread's in probs_and_grads
-  RowStats row_ahead(p, row_stats, m_block_begin * kBlockM + row_in_block);  // kLoadAhead: the coming step's
+  RowStats row_ahead(p, row_stats, m_block_begin * kBlockM + row_in_block);  // kRegisters: the coming step's
   for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
     // No warp still reads the previous Q, dO, P, dS or its staging tile; with kPingPong, this step's Q
     // and dO are in place.
@@ -483,42 +420,45 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     const auto buf = Traits::buffers(smem, which);
     const bool has_next = m_block + 1 < m_block_end;
     const int m_next = m_block + 1;  // if has_next
-    if constexpr (Traits::kLoadAhead) {
-      store_step(buf, q_regs, do_regs);
-      if (has_next) load_step(m_next, q_regs, do_regs);
-    } else if constexpr (!Traits::kPingPong) {
-      const int rows_left = p.seqlen_q - m_block * kBlockM;
+    // Loads: this step's Q and dO into buf (kPingPong: there already).
+    if constexpr (kRegisters) {
+      loads.store(buf, q_regs, do_regs);
+      if (has_next) loads.load(m_next, q_regs, do_regs);
+    } else if constexpr (kPrefetch) {
       Tensor sQ = make_tensor(make_smem_ptr(buf.q), typename Traits::SmemLayoutQ{});
       Tensor sdO = make_tensor(make_smem_ptr(buf.dout), typename Traits::SmemLayoutQ{});
-      Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
-      Traits::CopyQ::copy(gdO.block(m_block), sdO, rows_left, p.head_dim, tid);
+      Traits::CopyQ::copy(loads.q.block(m_block), sQ, loads.rows_left(m_block), p.head_dim, tid);
+      Traits::CopyQ::copy(loads.dout.block(m_block), sdO, loads.rows_left(m_block), p.head_dim, tid);
     }
-    // The row statistics, first used after S and dP. With kLoadAhead loaded a step ahead like Q and dO:
+    // The row statistics, first used after S and dP. kRegisters loads them a step ahead like Q and dO:
     // at d=64 the products of S and dP are too short to hide the loads' latency. Else loaded here (held
     // through a step, they would be spilled at d=128).
-    const RowStats row = Traits::kLoadAhead ? row_ahead : RowStats(p, row_stats, m_block * kBlockM + row_in_block);
-    if (Traits::kLoadAhead && has_next) row_ahead = RowStats(p, row_stats, m_next * kBlockM + row_in_block);
-    if constexpr (!Traits::kPingPong) __syncthreads();
+    const RowStats row = kRegisters ? row_ahead : RowStats(p, row_stats, m_block * kBlockM + row_in_block);
+    if (kRegisters && has_next) row_ahead = RowStats(p, row_stats, m_next * kBlockM + row_in_block);
+    if constexpr (!kPingPong) __syncthreads();
+
+    // Softmax gradient: P and dS into shared memory.
     const float dk_rescale = probs_and_grads<Traits>(smem, buf, p, m_block, n_block, row, ds_exp,
                                                      [&] { return has_dk ? abs_max_of_tiles(acc_dk) : 0.f; });
     if (has_dk) rescale_tiles(acc_dk, dk_rescale);
-    // With kPingPong, the next Q and dO: loaded after the step's first product, stored into the region
-    // of S and dP (spent now) after its last, so that registers hold them through dV and dK's products
-    // only: held any longer, they make ptxas spill at d=128.
+    // Products, in the schedule's order. Between the first and the others, loads: kPingPong loads the next
+    // Q and dO, to be stored into the region of S and dP (spent by then) after the last, so that registers
+    // hold them through the last products only (held any longer, they make ptxas spill at d=128);
+    // kPrefetch prefetches them, to be copied at the top of the next step.
     Regs next_q, next_do;
     auto first_product_done = [&] {
-      if constexpr (Traits::kPingPong) {
-        if (has_next) load_step(m_next, next_q, next_do);
-      } else if constexpr (!Traits::kLoadAhead) {  // the next Q and dO, copied at the top of the next step
+      if constexpr (kPingPong) {
+        if (has_next) loads.load(m_next, next_q, next_do);
+      } else if constexpr (kPrefetch) {
         if (has_next) {
-          Traits::CopyQ::prefetch(gQ.block(m_next), p.seqlen_q - m_next * kBlockM, tid);
-          Traits::CopyQ::prefetch(gdO.block(m_next), p.seqlen_q - m_next * kBlockM, tid);
+          Traits::CopyQ::prefetch(loads.q.block(m_next), loads.rows_left(m_next), tid);
+          Traits::CopyQ::prefetch(loads.dout.block(m_next), loads.rows_left(m_next), tid);
         }
       }
     };
     auto const* s_q = reinterpret_cast<__half const*>(buf.q);
     auto const* s_do = reinterpret_cast<__half const*>(buf.dout);
-    if constexpr (Traits::kDqFirst) {
+    if constexpr (Traits::kSchedule.dq_first) {
       dq(m_block, exp2f_int(-ds_exp));
       first_product_done();
       dv_dk(s_q, s_do);
@@ -527,8 +467,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
       first_product_done();
       dq(m_block, exp2f_int(-ds_exp));
     }
-    if constexpr (Traits::kPingPong) {
-      if (has_next) store_step(Traits::buffers(smem, which ^ 1), next_q, next_do);
+    if constexpr (kPingPong) {
+      if (has_next) loads.store(Traits::buffers(smem, which ^ 1), next_q, next_do);
       which ^= 1;
     }
   }
@@ -541,7 +481,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     blocks_done_before = atomicAdd(dq_blocks_done<kHeadDim>(p, batch, head), 1);
   }
 
-  // dK = scale dS^T Q and dV, in the input dtype; a key block that no query sees gets zeros.
+  // Epilogue: dK = scale dS^T Q and dV, in the input dtype; a key block that no query sees gets zeros.
   auto* dk = p.dk.at<half_t>(batch, head);
   auto* dv = p.dv.at<half_t>(batch, head);
   const int row0 = n_block * kBlockN + key_tiles.row * 16;

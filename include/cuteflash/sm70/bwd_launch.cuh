@@ -1,6 +1,6 @@
 // Host side of the sm70 backward: D = rowsum(dO * O), the dK/dV kernel (with dQ atomics into dq_accum,
 // which the last thread block of each head converts into dq) and, when a deterministic pass is asked
-// for, the dQ kernel instead of the atomics; on the largest tile that fits the device.
+// for, the dQ kernel instead of the atomics; on the first tile of the table (tile_config.h) that fits the device.
 // Included by the generated src/kernels/bwd_sm70_fp16_hd<D>.cu files only.
 #pragma once
 
@@ -25,11 +25,7 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
       launch(&bwd_dq_kernel<Traits>, grid_dq, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm70 backward dQ");
     }
   };
-  // (query rows per step, keys per block): 32 x 64, above head dim 64 with Q and dO in two regions that
-  // trade roles (BwdTraits::kPingPong; V100 up to d=128); 32 x 32; 16 x 32 (T4 at head dims 192-256).
-  using Largest = std::conditional_t<(kHeadDim > 64), BwdTraits<kHeadDim, 32, 64, true>, BwdTraits<kHeadDim, 32, 64>>;
-  launch_fitting_sm70<Largest, BwdTraits<kHeadDim, 32, 32>, BwdTraits<kHeadDim, 16, 32>>(launch_one, "sm70 backward",
-                                                                                         kHeadDim);
+  launch_tile_choices<BwdTraitsChoice, kHeadDim>(launch_one, "sm70 backward");
 }
 
 }  // namespace cuteflash::sm70

@@ -15,61 +15,11 @@
 
 #include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
-#include "cuteflash/sm70/wmma.cuh"
+#include "cuteflash/sm70/traits.h"
 
 namespace cuteflash::sm70 {
 
 using namespace cute;
-
-template <int kHeadDim_, int kBlockN_, int kNWarps_ = 4, int kRowTiles_ = 1>
-struct FwdTraits {
-  using Element = half_t;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kNWarps = kNWarps_;
-  static constexpr int kRowTiles = kRowTiles_;      // 16-row tiles of queries per warp
-  static constexpr int kWarpRows = 16 * kRowTiles;  // query rows per warp
-  static constexpr int kBlockM = kWarpRows * kNWarps;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kNThreads = kNWarps * 32;
-  static_assert(kHeadDim % 32 == 0 && kBlockN % 32 == 0 && (kRowTiles == 1 || kRowTiles == 2));
-  // Blocks per SM that the registers must allow (__launch_bounds__; 0: the compiler's choice), where the
-  // family is compiled for a larger GPU than its own, to test it there (see BwdTraits::kMinBlocks; on a
-  // V100 or T4 shared memory allows two blocks at most). At d=64 three, 168 registers with a few bytes of
-  // spills (2 % faster on H200; this relies on thread_index's range, without which the spills grow). At
-  // d=128 three would spill 724 bytes.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  static constexpr int kMinBlocks = kHeadDim <= 64 ? 3 : 0;
-#else
-  static constexpr int kMinBlocks = 0;
-#endif
-
-  // Row-major shared tiles padded by 16 bytes, so that the 16 rows of a WMMA load do not share banks
-  // (WMMA loads take a pointer and a leading dimension: no swizzle).
-  static constexpr int kLdQKV = kHeadDim + 8;  // halves
-  // floats: per-warp S scratch, also O tiles at the end. Rows 8 banks apart: the accumulator stores of a
-  // half-warp (4 rows of 32 bytes, as WMMA lowers on sm80+) hit distinct banks (rows 4 banks apart would
-  // make them 2-way conflicts).
-  static constexpr int kLdS = kBlockN + 8;
-  static constexpr int kLdP = kBlockN + 8;  // halves: per-warp P hi / lo
-  // Each warp's scratch holds its rows of S (fp32), then of P (hi', lo: fp16) in their place.
-  static constexpr int kPLoOffset = kWarpRows * kLdP;  // halves
-  static constexpr int kScratchBytes = kWarpRows * cute::max(kLdS * 4, 2 * kLdP * 2);
-  static_assert(kScratchBytes % 32 == 0 && kPLoOffset * 2 % 32 == 0);  // WMMA: 256-bit aligned pointers
-  using SmemLayoutQ = Layout<Shape<Int<kBlockM>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
-  using SmemLayoutKV = Layout<Shape<Int<kBlockN>, Int<kHeadDim>>, Stride<Int<kLdQKV>, _1>>;
-
-  using CopyQ = GmemTileCopy<kBlockM, kHeadDim, kNThreads>;
-  using CopyKV = GmemTileCopy<kBlockN, kHeadDim, kNThreads>;
-
-  struct SharedStorage {
-    array_aligned<Element, cosize_v<SmemLayoutQ>> q;
-    array_aligned<Element, cosize_v<SmemLayoutKV>> k;
-    array_aligned<Element, cosize_v<SmemLayoutKV>> v;
-    array_aligned<char, kNWarps * kScratchBytes, 32> scratch;  // S, then P, of each warp
-    array_aligned<float, kBlockM> alpha;                       // each warp's row rescale factors of the current step
-  };
-  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
-};
 
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_kernel(const FwdParams p) {

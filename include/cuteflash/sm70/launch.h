@@ -1,7 +1,10 @@
 // Host side shared by the sm70 launchers: which tile variants to compile and launch.
 #pragma once
 
+#include <utility>
+
 #include "cuteflash/launch.h"
+#include "cuteflash/tile_config.h"
 
 namespace cuteflash::sm70 {
 
@@ -23,6 +26,17 @@ void launch_fitting_sm70(LaunchOne const& launch_one, char const* what, int head
   } else {
     launch_fitting_sm70<Rest...>(launch_one, what, head_dim);
   }
+}
+
+template <template <int, int> class Choice, int kHeadDim, typename LaunchOne, int... kChoices>
+void launch_choices(LaunchOne const& launch_one, char const* what, std::integer_sequence<int, kChoices...>) {
+  launch_fitting_sm70<typename Choice<kHeadDim, kChoices>::type...>(launch_one, what, kHeadDim);
+}
+
+// launch_fitting_sm70 over the tile choices of tile_config.h: Choice<kHeadDim, i>::type for i < kSm70TileChoices.
+template <template <int, int> class Choice, int kHeadDim, typename LaunchOne>
+void launch_tile_choices(LaunchOne const& launch_one, char const* what) {
+  launch_choices<Choice, kHeadDim>(launch_one, what, std::make_integer_sequence<int, kSm70TileChoices>{});
 }
 
 }  // namespace cuteflash::sm70
