@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <stdexcept>
@@ -46,11 +47,23 @@ void check_operand(char const* name, Operand const& t) {
   require(t.row_stride < (int64_t(1) << 24), n + " row stride must be below 2^24 elements (pass a contiguous tensor)");
 }
 
+// A variable-length batch's sequences (params.h): cu_seqlens_q and cu_seqlens_k, device pointers to batch + 1
+// int32 offsets each, and the rows of q and of k; all zero for a fixed-length batch.
+struct Varlen {
+  uintptr_t cu_seqlens_q = 0;
+  uintptr_t cu_seqlens_k = 0;
+  int64_t total_q = 0;
+  int64_t total_k = 0;
+
+  bool on() const { return cu_seqlens_q != 0 || cu_seqlens_k != 0; }
+};
+
 // Checks the arguments shared by both directions (those the kernels would read out of bounds with) and
-// fills the forward's params. Returns false when there is nothing to compute.
+// fills the forward's params. seqlen_q and seqlen_k: each sequence's lengths, or a variable-length batch's
+// bounds on them. Returns false when there is nothing to compute.
 bool fill_fwd_params(FwdParams& p, DType dtype, Operand const& q, Operand const& k, Operand const& v,
                      Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
-                     int head_dim, float softmax_scale, bool causal, bool fp16_correction) {
+                     int head_dim, float softmax_scale, bool causal, bool fp16_correction, Varlen const& varlen) {
   require(dtype == DType::kFloat16 || dtype == DType::kBFloat16, "unknown dtype code");
   require(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "sizes must be non-negative");
   require(seqlen_q < kMaxSeqlen && seqlen_k < kMaxSeqlen, "seqlen_q and seqlen_k must be below 2^30");
@@ -59,7 +72,22 @@ bool fill_fwd_params(FwdParams& p, DType dtype, Operand const& q, Operand const&
   require(head_dim >= 8 && head_dim % 8 == 0, "head_dim must be a positive multiple of 8 (pad it)");
   require(round_up_head_dim(head_dim) > 0, "head_dim must be at most 256");
   require(softmax_scale > 0.f, "softmax_scale must be positive");
-  if (batch == 0 || seqlen_q == 0) return false;
+  if (varlen.on()) {
+    for (uintptr_t cu : {varlen.cu_seqlens_q, varlen.cu_seqlens_k}) {
+      require(cu != 0 && cu % 4 == 0, "cu_seqlens_q and cu_seqlens_k must both be aligned int32 buffers");
+    }
+    require(varlen.total_q >= 0 && varlen.total_k >= 0 && varlen.total_q < kMaxSeqlen && varlen.total_k < kMaxSeqlen,
+            "total_q and total_k must be non-negative and below 2^30");
+    for (Operand const* t : {&q, &k, &v, &out}) {
+      require(t->batch_stride == 0, "a variable-length batch's operands have a batch stride of 0");
+    }
+    if (batch == 0 || varlen.total_q == 0) return false;
+    // The grids cover the bounds (at least one block), the offsets the rest (sequence.cuh).
+    seqlen_q = std::max(seqlen_q, 1);
+    seqlen_k = std::max(seqlen_k, 1);
+  } else if (batch == 0 || seqlen_q == 0) {
+    return false;
+  }
   check_operand("q", q);
   check_operand("k", k);
   check_operand("v", v);
@@ -77,6 +105,13 @@ bool fill_fwd_params(FwdParams& p, DType dtype, Operand const& q, Operand const&
   p.seqlen_q = seqlen_q;
   p.seqlen_k = seqlen_k;
   p.head_dim = head_dim;
+  p.cu_seqlens_q = reinterpret_cast<int const*>(varlen.cu_seqlens_q);
+  p.cu_seqlens_k = reinterpret_cast<int const*>(varlen.cu_seqlens_k);
+  p.total_q = int(varlen.total_q);
+  p.total_k = int(varlen.total_k);
+  // lse: (batch, nheads, seqlen_q), or (nheads, total_q) for a variable-length batch.
+  p.stats_batch_stride = varlen.on() ? 0 : int64_t(nheads) * seqlen_q;
+  p.stats_head_stride = varlen.on() ? varlen.total_q : seqlen_q;
   p.softmax_scale = softmax_scale;
   p.softmax_scale_log2 = softmax_scale * 1.4426950408889634f;  // log2(e)
   p.causal = causal;
@@ -101,11 +136,13 @@ Fn require_kernel(Fn launch, Family family, char const* direction, int head_dim)
 
 void fwd(std::string const& family_name, int dtype_code, Operand const& q, Operand const& k, Operand const& v,
          Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
-         int head_dim, float softmax_scale, bool causal, bool fp16_correction, uintptr_t stream) {
+         int head_dim, float softmax_scale, bool causal, bool fp16_correction, uintptr_t stream, uintptr_t cu_seqlens_q,
+         uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k) {
+  const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
   Family family = parse_family(family_name);
   FwdParams p{};
   if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
-                       softmax_scale, causal, fp16_correction)) {
+                       softmax_scale, causal, fp16_correction, varlen)) {
     return;
   }
   FwdFn launch =
@@ -118,13 +155,14 @@ void fwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
 // kernel, which reads dq_accum (sm80's atomic path); it needs its own buffer where a kernel that reads D
 // also writes dq (the deterministic dQ kernels; sm70's dK/dV kernel, whose last block of a head converts
 // dQ while other blocks still read D).
+// total_q: the rows of q of a variable-length batch, -1 for a fixed-length one.
 py::dict bwd_workspace(std::string const& family_name, int head_dim, int batch, int nheads, int seqlen_q,
-                       bool deterministic) {
+                       bool deterministic, int64_t total_q) {
   const Family family = parse_family(family_name);
   const int kernel_head_dim = round_up_head_dim(head_dim);
   require(kernel_head_dim > 0, "head_dim must be at most 256");
   py::dict w;
-  w["dq_accum_floats"] = dq_accum_floats(batch, nheads, seqlen_q, kernel_head_dim, deterministic);
+  w["dq_accum_floats"] = dq_accum_layout(batch, nheads, seqlen_q, total_q, kernel_head_dim, deterministic).floats;
   w["d_rowsum_in_dq"] = family == Family::kSm80 && !deterministic;
   return w;
 }
@@ -133,20 +171,29 @@ void bwd(std::string const& family_name, int dtype_code, Operand const& dout, Op
          Operand const& v, Operand const& out, uintptr_t lse, Operand const& dq, uintptr_t dq_accum,
          int64_t dq_accum_floats_given, uintptr_t d_rowsum, Operand const& dk, Operand const& dv, int batch, int nheads,
          int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale, bool causal, bool fp16_correction,
-         bool deterministic, uintptr_t stream) {
+         bool deterministic, uintptr_t stream, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int64_t total_q,
+         int64_t total_k) {
+  const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
   Family family = parse_family(family_name);
   BwdParams p{};
   if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
-                       softmax_scale, causal, fp16_correction) ||
-      seqlen_k == 0) {
-    return;
+                       softmax_scale, causal, fp16_correction, varlen) ||
+      (varlen.on() ? varlen.total_k : seqlen_k) == 0) {
+    return;  // the caller zeroes the gradients
   }
   check_operand("dout", dout);
   check_operand("dk", dk);
   check_operand("dv", dv);
   check_operand("dq", dq);
+  if (varlen.on()) {
+    for (Operand const* t : {&dout, &dk, &dv, &dq}) {
+      require(t->batch_stride == 0, "a variable-length batch's operands have a batch stride of 0");
+    }
+  }
   require(d_rowsum != 0 && d_rowsum % 4 == 0, "d_rowsum must be an aligned float32 buffer");
-  const int64_t needed = dq_accum_floats(batch, nheads, seqlen_q, round_up_head_dim(head_dim), deterministic);
+  const DqAccumLayout layout = dq_accum_layout(batch, nheads, p.seqlen_q, varlen.on() ? varlen.total_q : -1,
+                                               round_up_head_dim(head_dim), deterministic);
+  const int64_t needed = layout.floats;
   if (needed > 0) {
     require(dq_accum != 0 && dq_accum % 16 == 0, "dq_accum must be an aligned float32 buffer");
     require(dq_accum_floats_given >= needed, "dq_accum holds " + std::to_string(dq_accum_floats_given) +
@@ -158,7 +205,9 @@ void bwd(std::string const& family_name, int dtype_code, Operand const& dout, Op
   p.dv = dv;
   p.dq = dq;
   p.dq_accum = reinterpret_cast<float*>(dq_accum);
-  p.dq_accum_rows = dq_accum_rows(seqlen_q);
+  p.dq_accum_head_rows = layout.head_rows;
+  p.dq_accum_batch_rows = layout.batch_rows;
+  if (needed > 0) p.dq_blocks_done = reinterpret_cast<int*>(p.dq_accum + nheads * layout.head_rows * round_up_head_dim(head_dim));
   p.d_rowsum = reinterpret_cast<float*>(d_rowsum);
   p.deterministic = deterministic;
   BwdFn launch =
@@ -205,16 +254,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("fwd", &cuteflash::fwd, py::kw_only(), py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
         py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
-        py::arg("fp16_correction"), py::arg("stream"));
+        py::arg("fp16_correction"), py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
+        py::arg("total_q") = 0, py::arg("total_k") = 0);
   m.def("bwd_workspace", &cuteflash::bwd_workspace, py::kw_only(), py::arg("family"), py::arg("head_dim"),
-        py::arg("batch"), py::arg("nheads"), py::arg("seqlen_q"), py::arg("deterministic"),
+        py::arg("batch"), py::arg("nheads"), py::arg("seqlen_q"), py::arg("deterministic"), py::arg("total_q") = -1,
         "dq_accum's size in floats, and whether D may live in dq's memory, for a backward pass.");
   m.def("bwd", &cuteflash::bwd, py::kw_only(), py::arg("family"), py::arg("dtype"), py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dq_accum"),
         py::arg("dq_accum_floats"), py::arg("d_rowsum"), py::arg("dk"), py::arg("dv"), py::arg("batch"),
         py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"),
         py::arg("softmax_scale"), py::arg("causal"), py::arg("fp16_correction"), py::arg("deterministic"),
-        py::arg("stream"));
+        py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0,
+        py::arg("total_k") = 0);
   m.def(
       "family_runs", [](std::string const& family) { return cuteflash::family_runs(cuteflash::parse_family(family)); },
       py::arg("family"), "Whether the family's code in this module runs on the current CUDA device.");

@@ -5,25 +5,25 @@
 
 #include "cuteflash/launch.h"
 #include "cuteflash/params.h"
+#include "cuteflash/sequence.cuh"
 
 namespace cuteflash {
 
-// The dq_accum region of one (batch, head): dq_accum_rows x kHeadDim floats.
+// The dq_accum region of one (sequence, head): dq_accum_rows(seq.seqlen_q) x kHeadDim floats.
 template <int kHeadDim>
-__device__ __forceinline__ float* dq_accum_region(BwdParams const& p, int batch, int head) {
-  return p.dq_accum + (int64_t(batch) * p.nheads + head) * p.dq_accum_rows * kHeadDim;
+__device__ __forceinline__ float* dq_accum_region(BwdParams const& p, Sequence const& seq, int head) {
+  return p.dq_accum +
+         (head * p.dq_accum_head_rows + int64_t(seq.batch) * p.dq_accum_batch_rows + seq.q_row0) * kHeadDim;
 }
 
-// The count of a (batch, head)'s dK/dV thread blocks that have added their share of dQ (after the regions).
-template <int kHeadDim>
+// The count of a (batch, head)'s dK/dV thread blocks that have added their share of dQ.
 __device__ __forceinline__ int* dq_blocks_done(BwdParams const& p, int batch, int head) {
-  return reinterpret_cast<int*>(p.dq_accum + int64_t(p.batch) * p.nheads * p.dq_accum_rows * kHeadDim) +
-         batch * p.nheads + head;
+  return p.dq_blocks_done + batch * p.nheads + head;
 }
 
 // D for one query row per kThreadsPerRow threads, 16-byte loads (head_dim is a multiple of 8 and rows
 // are 16-byte aligned). Unless the pass is deterministic, the same threads zero the row's dq_accum,
-// padding rows included (the grid covers dq_accum_rows), and the first zeroes the count of blocks done.
+// padding rows included, and the first zeroes the count of blocks done.
 template <typename Element, int kHeadDim>
 struct Preprocess {
   static constexpr int kThreads = 128;
@@ -32,21 +32,17 @@ struct Preprocess {
 };
 
 template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_preprocess_kernel(const BwdParams p) {
+__device__ __forceinline__ void bwd_preprocess_rows(BwdParams const& p, Sequence const& seq, int head, int row) {
   using Pre = Preprocess<Element, kHeadDim>;
   const int lane = threadIdx.x % Pre::kThreadsPerRow;
-  const int row = blockIdx.x * Pre::kRowsPerBlock + threadIdx.x / Pre::kThreadsPerRow;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  if (!p.deterministic && row < p.dq_accum_rows) {
-    float4* acc = reinterpret_cast<float4*>(dq_accum_region<kHeadDim>(p, batch, head) + row * kHeadDim);
+  if (!p.deterministic && row < dq_accum_rows(seq.seqlen_q)) {
+    float4* acc = reinterpret_cast<float4*>(dq_accum_region<kHeadDim>(p, seq, head) + row * kHeadDim);
     for (int c = lane; c < kHeadDim / 4; c += Pre::kThreadsPerRow) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (row == 0 && lane == 0) *dq_blocks_done<kHeadDim>(p, batch, head) = 0;
   }
-  const unsigned active = __ballot_sync(0xffffffff, row < p.seqlen_q);  // whole groups of kThreadsPerRow lanes
-  if (row >= p.seqlen_q) return;
-  auto const* o = p.o.at<Element const>(batch, head, row);
-  auto const* dout = p.dout.at<Element const>(batch, head, row);
+  const unsigned active = __ballot_sync(0xffffffff, row < seq.seqlen_q);  // whole groups of kThreadsPerRow lanes
+  if (row >= seq.seqlen_q) return;
+  auto const* o = p.o.at<Element const>(seq.batch, head, seq.q_row0 + row);
+  auto const* dout = p.dout.at<Element const>(seq.batch, head, seq.q_row0 + row);
   float sum = 0.f;
   for (int c = lane * 8; c < p.head_dim; c += Pre::kThreadsPerRow * 8) {
     uint4 o8 = *reinterpret_cast<uint4 const*>(o + c);
@@ -58,7 +54,20 @@ __global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_p
   }
   CUTE_UNROLL
   for (int offset = Pre::kThreadsPerRow / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(active, sum, offset);
-  if (lane == 0) p.d_rowsum[(int64_t(batch) * p.nheads + head) * p.seqlen_q + row] = sum;
+  if (lane == 0) p.d_rowsum[seq.stats(p, head) + row] = sum;
+}
+
+template <typename Element, int kHeadDim, bool kVarlen>
+__global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_preprocess_kernel(const BwdParams p) {
+  using Pre = Preprocess<Element, kHeadDim>;
+  const int head = blockIdx.y;
+  if (!p.deterministic && blockIdx.x == 0 && threadIdx.x == 0) *dq_blocks_done(p, blockIdx.z, head) = 0;
+  auto tiles = [&](Sequence const& seq) {
+    return ceil_div(p.deterministic ? seq.seqlen_q : dq_accum_rows(seq.seqlen_q), Pre::kRowsPerBlock);
+  };
+  for_each_tile<kVarlen>(p, blockIdx.x, tiles, [&](Sequence const& seq, int tile) {
+    bwd_preprocess_rows<Element, kHeadDim>(p, seq, head, tile * Pre::kRowsPerBlock + threadIdx.x / Pre::kThreadsPerRow);
+  });
 }
 
 // The lse and D of a query row; rows past seqlen_q get P = 0 and dS = 0. lse is kept as loaded and
@@ -66,24 +75,25 @@ __global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_p
 struct RowStats {
   float lse;
   float d;
-  __device__ RowStats(BwdParams const& p, int64_t row_stats, int row) {
-    bool valid = row < p.seqlen_q;
+  // row_stats: the row statistics' offset of the sequence and head (Sequence::stats).
+  __device__ RowStats(BwdParams const& p, int64_t row_stats, int row, int seqlen_q) {
+    bool valid = row < seqlen_q;
     lse = valid ? p.lse[row_stats + row] : INFINITY;
     d = valid ? p.d_rowsum[row_stats + row] : 0.f;
   }
   __device__ float lse_log2() const { return lse * 1.4426950408889634f; }
 };
 
-// dq = dq_accum of one (batch, head) whose region is laid out row-major, (dq_accum_rows, kHeadDim), by the
+// dq = dq_accum of one (sequence, head) whose region is laid out row-major, (dq_accum_rows, kHeadDim), by the
 // kThreads threads of a thread block: 16-byte loads from L2 (another block's atomics wrote the region; L1
 // may not be coherent with them), kUnroll in flight per thread, 8-byte stores (head_dim is a multiple of 8).
 template <typename Element, int kHeadDim, int kThreads>
-__device__ void convert_dq_rowmajor(BwdParams const& p, int batch, int head) {
+__device__ void convert_dq_rowmajor(BwdParams const& p, Sequence const& seq, int head) {
   constexpr int kChunks = kHeadDim / 4;  // of 4 floats per row
   constexpr int kUnroll = 8;
-  auto const* acc = reinterpret_cast<float4 const*>(dq_accum_region<kHeadDim>(p, batch, head));
-  auto* dq = p.dq.at<Element>(batch, head);
-  const int chunks = p.seqlen_q * kChunks;
+  auto const* acc = reinterpret_cast<float4 const*>(dq_accum_region<kHeadDim>(p, seq, head));
+  auto* dq = p.dq.at<Element>(seq.batch, head, seq.q_row0);
+  const int chunks = seq.seqlen_q * kChunks;
   for (int first = threadIdx.x; first < chunks; first += kThreads * kUnroll) {
     float4 x[kUnroll];
     CUTE_UNROLL
@@ -105,8 +115,12 @@ __device__ void convert_dq_rowmajor(BwdParams const& p, int batch, int head) {
 template <typename Element, int kHeadDim>
 void launch_bwd_preprocess(BwdParams const& p, cudaStream_t stream) {
   using Pre = Preprocess<Element, kHeadDim>;
-  dim3 grid(ceil_div(p.deterministic ? p.seqlen_q : p.dq_accum_rows, Pre::kRowsPerBlock), p.nheads, p.batch);
-  launch(&bwd_preprocess_kernel<Element, kHeadDim>, grid, Pre::kThreads, 0, stream, p, "backward preprocess");
+  const int rows = p.deterministic ? p.seqlen_q : dq_accum_rows(p.seqlen_q);
+  dim3 grid(ceil_div(rows, Pre::kRowsPerBlock), p.nheads, p.batch);
+  for_batch_kind(p, [&](auto varlen) {
+    launch(&bwd_preprocess_kernel<Element, kHeadDim, varlen()>, grid, Pre::kThreads, 0, stream, p,
+           "backward preprocess");
+  });
 }
 
 }  // namespace cuteflash

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "cuteflash/utils.cuh"
 
@@ -47,6 +48,17 @@ void launch_fitting(LaunchOne const& launch_one, char const* what, int head_dim)
     launch_one(First{});
   } else {
     launch_fitting<Rest...>(launch_one, what, head_dim);
+  }
+}
+
+// Calls launch_for(std::bool_constant<kVarlen>{}) for the kind of batch of p (sequence.cuh), whose kernels
+// are compiled apart.
+template <typename LaunchFor>
+void for_batch_kind(FwdParams const& p, LaunchFor const& launch_for) {
+  if (p.cu_seqlens_q != nullptr) {
+    launch_for(std::true_type{});
+  } else {
+    launch_for(std::false_type{});
   }
 }
 

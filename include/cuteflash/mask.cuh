@@ -1,16 +1,18 @@
-// The mask of a problem (mask.h's policy, built from the params) and its application to a score tile.
+// The mask of a sequence (mask.h's policy, built from the params and the sequence) and its application to
+// a score tile.
 #pragma once
 
 #include "cuteflash/mask.h"
 #include "cuteflash/params.h"
+#include "cuteflash/sequence.cuh"
 #include "cuteflash/utils.cuh"
 
 namespace cuteflash {
 
-// Which keys each query row of the problem sees. Cheap to rebuild from p at each use: a copy kept across a
+// Which keys each query row of the sequence sees. Cheap to rebuild at each use: a copy kept across a
 // kernel's main loop holds registers that the loop needs (it spilled in the sm80 forward kernel).
-__device__ __forceinline__ MaskPolicy<false> mask_policy(FwdParams const& p) {
-  return MaskPolicy<false>::make(p.seqlen_q, p.seqlen_k, p.causal);
+__device__ __forceinline__ MaskPolicy<false> mask_policy(FwdParams const& p, Sequence const& seq) {
+  return MaskPolicy<false>::make(seq.seqlen_q, seq.seqlen_k, p.causal);
 }
 
 // s: scores in (rows, cols) view; coord: the matching (row, col) positions inside the tile.

@@ -31,17 +31,33 @@ struct Operand {
 
 // One attention problem in flash-attn's layout: q (batch, seqlen_q, nheads, head_dim),
 // k and v (batch, seqlen_k, nheads_k, head_dim), o like q, lse (batch, nheads, seqlen_q) in fp32.
+// A variable-length batch (cu_seqlens_q set) packs its sequences' rows one after another instead:
+// q and o (total_q, nheads, head_dim), k and v (total_k, nheads_k, head_dim), with batch strides of 0,
+// and lse (nheads, total_q). Kernels see one sequence at a time (sequence.cuh).
 struct FwdParams {
   Operand q, k, v;  // read only
   Operand o;
   float* lse;
+  // lse (and the backward's D) of row r of (batch, head) sits at
+  // batch * stats_batch_stride + head * stats_head_stride + the sequence's first row in q + r.
+  int64_t stats_batch_stride;
+  int64_t stats_head_stride;
 
   int batch;
   int nheads;
   int nheads_k;  // nheads is a multiple of it (MQA/GQA)
+  // Each sequence's lengths; in a variable-length batch the caller's bound on them (max_seqlen_q/k),
+  // which sizes the grids only: a longer sequence is still computed whole.
   int seqlen_q;
   int seqlen_k;
   int head_dim;  // the real head dim, <= the kernel's kHeadDim and a multiple of 8
+
+  // Variable-length batches: the (batch + 1) int32 prefix sums of the sequences' lengths, on the GPU;
+  // sequence b has rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q. Null in a fixed-length batch.
+  int const* cu_seqlens_q;
+  int const* cu_seqlens_k;
+  int total_q;  // rows of q and k (variable-length batches): the kernels clamp the offsets to them
+  int total_k;
 
   float softmax_scale;       // applied to QK^T, 1/sqrt(head_dim) by default
   float softmax_scale_log2;  // softmax_scale * log2(e): the kernels use exp2
@@ -50,16 +66,30 @@ struct FwdParams {
 };
 
 // The backward pass's fp32 workspace dq_accum, which sums dQ = dS K with atomics (none for a deterministic
-// pass): a region of dq_accum_rows(seqlen_q) rows of the kernel's head dim per (batch, head), one after
-// another, then one int per (batch, head). Whole 128-row blocks, so that the kernels add whole tiles
-// without bounds checks (zeros into the padding). The preprocess kernel zeroes it all; each family lays
-// out its regions as suits its atomics and converts them into dq itself; the ints count a head's finished
-// dK/dV blocks (dq_blocks_done: the sm70 family converts a head's dQ in its last block).
+// pass): per head, a region of dq_accum_rows(seqlen_q) rows of the kernel's head dim for each sequence,
+// then one int per (batch, head). Whole 128-row blocks, so that the kernels add whole tiles without
+// bounds checks (zeros into the padding). A head's regions follow one another: sequence b starts at row
+// b * dq_accum_rows(seqlen_q) of its head, or in a variable-length batch at cu_seqlens_q[b] + 128 b
+// (room for each sequence's padding). The preprocess kernel zeroes it all; each family lays out its
+// regions as suits its atomics and converts them into dq itself; the ints count a head's finished
+// dK/dV thread blocks (dq_blocks_done: the sm70 family converts a head's dQ in its last block).
 CUTEFLASH_HOST_DEVICE int dq_accum_rows(int seqlen_q) { return (seqlen_q + 127) / 128 * 128; }
 
-inline int64_t dq_accum_floats(int batch, int nheads, int seqlen_q, int kernel_head_dim, bool deterministic) {
-  if (deterministic) return 0;
-  return int64_t(batch) * nheads * (int64_t(dq_accum_rows(seqlen_q)) * kernel_head_dim + 1);
+struct DqAccumLayout {
+  int64_t head_rows;  // rows from one head's regions to the next
+  int batch_rows;     // rows from one sequence's region to the next, besides cu_seqlens_q
+  int64_t floats;     // the whole workspace, counts included (0 for a deterministic pass)
+};
+
+// total_q: the rows of q of a variable-length batch, < 0 for a fixed-length one.
+inline DqAccumLayout dq_accum_layout(int batch, int nheads, int seqlen_q, int64_t total_q, int kernel_head_dim,
+                                     bool deterministic) {
+  const bool varlen = total_q >= 0;
+  DqAccumLayout l{};
+  l.batch_rows = varlen ? 128 : dq_accum_rows(seqlen_q);
+  l.head_rows = varlen ? total_q + 128 * int64_t(batch) : int64_t(batch) * l.batch_rows;
+  l.floats = deterministic ? 0 : nheads * (l.head_rows * kernel_head_dim) + int64_t(batch) * nheads;
+  return l;
 }
 
 // The backward pass: the forward's problem plus dO, the gradients and two fp32 work buffers.
@@ -69,7 +99,9 @@ struct BwdParams : FwdParams {
   Operand dk, dv;  // (batch, seqlen_k, nheads, head_dim)
   Operand dq;      // like q
   float* dq_accum;
-  int dq_accum_rows;
+  int64_t dq_accum_head_rows;  // DqAccumLayout
+  int dq_accum_batch_rows;
+  int* dq_blocks_done;  // after the regions: batch * nheads counts
   float* d_rowsum;  // D = rowsum(dO * O), (batch, nheads, seqlen_q) fp32, written by the preprocess kernel
   // dQ by a second kernel that walks the keys of each query block (bitwise reproducible), instead of
   // fp32 atomics from the dK/dV kernel (whose order varies between runs).

@@ -116,10 +116,12 @@ struct HeadRows {
   }
 };
 
-// The rows of (batch, head) of operand t, read (or written) as Element.
+// The rows of (batch, head) of operand t from row row0 on (a sequence's first row: Sequence), read (or
+// written) as Element.
 template <int kRows, int kHeadDim, typename Element>
-__device__ __forceinline__ HeadRows<kRows, kHeadDim, Element> head_rows(Operand const& t, int batch, int head) {
-  return {t.at<Element>(batch, head), t.row_stride};
+__device__ __forceinline__ HeadRows<kRows, kHeadDim, Element> head_rows(Operand const& t, int batch, int head,
+                                                                        int row0) {
+  return {t.at<Element>(batch, head, row0), t.row_stride};
 }
 
 // Copy a partitioned tile (CPY, CPY_ROWS, CPY_COLS) whose rows or columns may run past the tensor:

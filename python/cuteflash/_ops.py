@@ -7,6 +7,7 @@ else about the layout is handled here, so calling the op directly is safe too.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -19,19 +20,26 @@ SM70_CORRECTION_ENV = "CUTEFLASH_SM70_CORRECTION"
 MAX_ROW_STRIDE = 2**24  # the kernels index inside a block of rows with 32-bit offsets
 
 
-def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
-    """t itself when the kernels can read it in place (last dim contiguous, 16-byte aligned rows, row
-    stride below MAX_ROW_STRIDE), else a contiguous copy. Slices of a packed qkv tensor pass unchanged."""
+def _in_place(t: torch.Tensor) -> bool:
+    """Whether the kernels can read (or write) t in place: last dim contiguous, 16-byte aligned rows,
+    row stride below MAX_ROW_STRIDE. Slices of a packed qkv tensor can."""
     aligned = t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
-    if t.stride(-1) == 1 and aligned and t.stride(1) < MAX_ROW_STRIDE:
+    return t.stride(-1) == 1 and aligned and t.stride(-3) < MAX_ROW_STRIDE
+
+
+def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
+    """t itself when the kernels can read it in place, else a contiguous copy."""
+    if _in_place(t):
         return t
     # contiguous() returns a contiguous view at an odd offset unchanged: clone it into aligned memory.
     return t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t.contiguous()
 
 
 def _operand(t: torch.Tensor):
-    """A (b, s, h, d) tensor as the compiled module's Operand: data pointer and (batch, row, head) strides."""
-    return compiled_module().Operand(t.data_ptr(), t.stride(0), t.stride(1), t.stride(2))
+    """A (b, s, h, d) tensor, or a variable-length batch's (total, h, d), as the compiled module's Operand:
+    data pointer and (batch, row, head) strides (a batch stride of 0 for the packed rows)."""
+    batch_stride = t.stride(0) if t.dim() == 4 else 0
+    return compiled_module().Operand(t.data_ptr(), batch_stride, t.stride(-3), t.stride(-2))
 
 
 def _launch(device: torch.device, kernel, **kwargs) -> None:
@@ -50,11 +58,40 @@ def _fp16_correction(family: str) -> bool:
     return family != "sm70" or os.environ.get(SM70_CORRECTION_ENV, "1") != "0"
 
 
-def _problem(family: str, q, k, v, out, lse, softmax_scale: float, causal: bool) -> dict:
+class Varlen(NamedTuple):
+    """A variable-length batch: int32 offsets (batch + 1) of its sequences in q and in k, and the caller's
+    bounds on their lengths, which size the grids (a longer sequence is still computed whole)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> Varlen | None:
+    return None if cu_seqlens_q is None else Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def unpack(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """q, k and v as views of the inputs: k None means q is qkv packed (..., 3, nheads, d), v None that k is
+    kv packed (..., 2, nheads_k, d)."""
+    if k is None:
+        return q.unbind(-3)
+    if v is None:
+        return (q, *k.unbind(-3))
+    return q, k, v
+
+
+def _lse_shape(q: torch.Tensor, varlen: Varlen | None) -> tuple[int, ...]:
+    """(batch, nheads, seqlen_q), or (nheads, total_q) for a variable-length batch."""
+    return (q.shape[1], q.shape[0]) if varlen is not None else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _problem(family: str, q, k, v, out, lse, softmax_scale: float, causal: bool, varlen: Varlen | None) -> dict:
     """The keyword arguments that _C.fwd and _C.bwd share: the problem, and the stream it runs on."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    _, seqlen_k, nheads_k, _ = k.shape
-    return dict(
+    nheads, head_dim = q.shape[-2:]
+    nheads_k = k.shape[-2]
+    problem = dict(
         family=family,
         dtype=_DTYPE_CODES[q.dtype],
         q=_operand(q),
@@ -62,64 +99,93 @@ def _problem(family: str, q, k, v, out, lse, softmax_scale: float, causal: bool)
         v=_operand(v),
         out=_operand(out),
         lse=lse.data_ptr(),
-        batch=batch,
         nheads=nheads,
         nheads_k=nheads_k,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
         head_dim=head_dim,
         softmax_scale=softmax_scale,
         causal=causal,
         fp16_correction=_fp16_correction(family),
         stream=torch.cuda.current_stream(q.device).cuda_stream,
     )
+    if varlen is None:
+        return dict(problem, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1])
+    return dict(
+        problem,
+        batch=varlen.cu_seqlens_q.numel() - 1,
+        seqlen_q=varlen.max_seqlen_q,
+        seqlen_k=varlen.max_seqlen_k,
+        cu_seqlens_q=varlen.cu_seqlens_q.data_ptr(),
+        cu_seqlens_k=varlen.cu_seqlens_k.data_ptr(),
+        total_q=q.shape[0],
+        total_k=k.shape[0],
+    )
+
+
+def _no_keys(q: torch.Tensor, k: torch.Tensor, varlen: Varlen | None) -> bool:
+    """Whether no query can see a key (nor a kernel point at k's memory): k has no rows, or no batch."""
+    return k.shape[-3] == 0 or (varlen is None and k.shape[0] == 0)
 
 
 def fwd_impl(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, varlen: Varlen | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward: returns out (b, s_q, h, d) and the fp32 log-sum-exp (b, h, s_q)."""
+    """Attention forward on unpacked q, k, v: returns out (like q) and the fp32 log-sum-exp (_lse_shape)."""
     family = select_family(q.device)
     if family == "sm70" and q.dtype == torch.bfloat16:
         raise TypeError("bfloat16 needs an sm80 GPU (compute capability 8.0+); use float16 on this GPU")
     q, k, v = (_kernel_operand(t) for t in (q, k, v))
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k = k.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    if seqlen_k == 0:  # no key at all: every row is empty (and k, v have no memory to point at)
+    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    if _no_keys(q, k, varlen):  # every row is empty
         return out.zero_(), lse.fill_(float("inf"))
-    _launch(q.device, compiled_module().fwd, **_problem(family, q, k, v, out, lse, softmax_scale, causal))
+    _launch(q.device, compiled_module().fwd, **_problem(family, q, k, v, out, lse, softmax_scale, causal, varlen))
     return out, lse
 
 
 @torch.library.custom_op("cuteflash::fwd", mutates_args=(), device_types="cuda")
 def fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward kernel as an operator that torch.compile and autograd see (`deterministic` is kept
-    for the backward pass)."""
-    return fwd_impl(q, k, v, softmax_scale, causal)
+    """The forward kernel as an operator that torch.compile and autograd see. q, k, v may be packed
+    (unpack); cu_seqlens_q None: a fixed-length batch, whose max_seqlen_q/k are ignored. `deterministic`
+    is kept for the backward pass."""
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return fwd_impl(*unpack(q, k, v), softmax_scale, causal, varlen)
 
 
-def forward(q, k, v, softmax_scale: float, causal: bool, deterministic: bool):
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic):
     """The op under torch.compile or when a gradient is wanted; otherwise the implementation directly,
     which skips the dispatcher's cost per call."""
     if torch.compiler.is_compiling() or (
-        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v))
     ):
-        return fwd(q, k, v, softmax_scale, causal, deterministic)
-    return fwd_impl(q, k, v, softmax_scale, causal)
+        return fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic
+        )
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return fwd_impl(*unpack(q, k, v), softmax_scale, causal, varlen)
 
 
 @fwd.register_fake
-def _(q, k, v, softmax_scale, causal, deterministic):
-    batch, seqlen_q, nheads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic):
+    q = unpack(q, k, v)[0]
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
 
 
-@torch.library.custom_op("cuteflash::bwd", mutates_args=(), device_types="cuda")
-def bwd(
+def bwd_into(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -129,9 +195,11 @@ def bwd(
     softmax_scale: float,
     causal: bool,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward: dq, dk, dv from dout and what the forward pass saved. With deterministic,
-    dQ comes from a second kernel instead of fp32 atomics: bitwise reproducible, and slower."""
+    varlen: Varlen | None = None,
+) -> None:
+    """Attention backward into dq, dk, dv (shaped like q, k, v; views of a packed gradient are written in
+    place). With deterministic, dQ comes from a second kernel instead of fp32 atomics: bitwise
+    reproducible, and slower."""
     family = select_family(q.device)
     if "bwd" not in build_info()["families"][family]["directions"]:
         raise NotImplementedError(
@@ -139,66 +207,124 @@ def bwd(
             "detach the inputs, or rebuild with the backward pass"
         )
     dout, q, k, v, out = (_kernel_operand(t) for t in (dout, q, k, v, out))
-    batch, seqlen_q, nheads, head_dim = q.shape
-    _, seqlen_k, nheads_k, _ = k.shape
+    problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen)
+    nheads, head_dim = q.shape[-2:]
+    nheads_k = k.shape[-2]
+    if _no_keys(q, k, varlen) or q.numel() == 0:  # no query or no key: every gradient is zero
+        for t in (dq, dk, dv):
+            t.zero_()
+        return
     f32 = dict(dtype=torch.float32, device=q.device)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # dq_accum (dQ's fp32 atomics; none for a deterministic pass) and where D = rowsum(dO * O) lives, as the
     # compiled module rules (params.h, api.cpp).
     workspace = compiled_module().bwd_workspace(
-        family=family, head_dim=head_dim, batch=batch, nheads=nheads, seqlen_q=seqlen_q, deterministic=deterministic
+        family=family,
+        head_dim=head_dim,
+        batch=problem["batch"],
+        nheads=nheads,
+        seqlen_q=problem["seqlen_q"],
+        deterministic=deterministic,
+        total_q=-1 if varlen is None else q.shape[0],
     )
     dq_accum = torch.empty(workspace["dq_accum_floats"], **f32)
-    if workspace["d_rowsum_in_dq"]:
-        d_rowsum = dq.view(-1)[: 2 * batch * nheads * seqlen_q].view(torch.float32)
+    # The kernels write into dq, dk, dv in place where they can read them as operands (any view of a packed
+    # gradient), else into fresh tensors copied over.
+    dq_k = dq if _in_place(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if workspace["d_rowsum_in_dq"] and dq_k.is_contiguous():
+        d_rowsum = dq_k.view(-1)[: 2 * lse.numel()].view(torch.float32).view(lse.shape)
     else:
-        d_rowsum = torch.empty((batch, nheads, seqlen_q), **f32)
+        d_rowsum = torch.empty(lse.shape, **f32)
     # A dK/dV per query head (for MQA/GQA, summed over each group below).
-    dk = torch.empty((batch, seqlen_k, nheads, head_dim), dtype=q.dtype, device=q.device)
-    dv = torch.empty_like(dk)
-    if batch and seqlen_q and seqlen_k:
-        _launch(
-            q.device,
-            compiled_module().bwd,
-            **_problem(family, q, k, v, out, lse, softmax_scale, causal),
-            dout=_operand(dout),
-            dq=_operand(dq),
-            dq_accum=dq_accum.data_ptr(),
-            dq_accum_floats=dq_accum.numel(),
-            d_rowsum=d_rowsum.data_ptr(),
-            dk=_operand(dk),
-            dv=_operand(dv),
-            deterministic=deterministic,
-        )
-    else:  # no query or no key: every gradient is zero
-        dk.zero_()
-        dv.zero_()
-        dq.zero_()
-    if nheads != nheads_k:
-        groups = nheads // nheads_k
-        dk = dk.view(batch, seqlen_k, nheads_k, groups, head_dim).sum(3)
-        dv = dv.view(batch, seqlen_k, nheads_k, groups, head_dim).sum(3)
-    return dq, dk, dv
+    grouped = nheads != nheads_k
+    dk_k, dv_k = (
+        t
+        if not grouped and _in_place(t)
+        else torch.empty(q.shape[:-3] + k.shape[-3:-2] + (nheads, head_dim), dtype=q.dtype, device=q.device)
+        for t in (dk, dv)
+    )
+    _launch(
+        q.device,
+        compiled_module().bwd,
+        **problem,
+        dout=_operand(dout),
+        dq=_operand(dq_k),
+        dq_accum=dq_accum.data_ptr(),
+        dq_accum_floats=dq_accum.numel(),
+        d_rowsum=d_rowsum.data_ptr(),
+        dk=_operand(dk_k),
+        dv=_operand(dv_k),
+        deterministic=deterministic,
+    )
+    if dq_k is not dq:
+        dq.copy_(dq_k)
+    for given, computed in ((dk, dk_k), (dv, dv_k)):
+        if grouped:
+            torch.sum(computed.unflatten(-2, (nheads_k, nheads // nheads_k)), dim=-2, out=given)
+        elif computed is not given:
+            given.copy_(computed)
+
+
+@torch.library.custom_op("cuteflash::bwd", mutates_args=(), device_types="cuda")
+def bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    deterministic: bool,
+) -> list[torch.Tensor]:
+    """The gradients of the forward op's inputs that are given (q, k, v, or packed: one per input), as
+    fresh tensors shaped like them."""
+    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v) if t is not None]
+    dq, dk, dv = unpack(*grads, *[None] * (3 - len(grads)))
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    bwd_into(dq, dk, dv, dout, *unpack(q, k, v), out, lse, softmax_scale, causal, deterministic, varlen)
+    return grads
 
 
 @bwd.register_fake
-def _(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, det):
+    return [t.new_empty(t.shape) for t in (q, k, v) if t is not None]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.mark_non_differentiable(lse)  # as flash-attn: the log-sum-exp is returned for inspection only
     ctx.set_materialize_grads(False)  # lse's gradient stays None instead of a tensor of zeros
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = bwd(grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
-    return dq, dk, dv, None, None, None
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    grads = iter(
+        bwd(
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            ctx.max_seqlen_q,
+            ctx.max_seqlen_k,
+            ctx.softmax_scale,
+            ctx.causal,
+            ctx.deterministic,
+        )
+    )
+    dq, dk, dv = (next(grads) if t is not None else None for t in (q, k, v))
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -33,8 +33,15 @@ SUITES = {
     ],
     # shapes that fill a large GPU (16k tokens or more per call): the kernels decide the speed, not the host
     "baselines": [(16, 16, 1024, 64), (8, 16, 2048, 64), (4, 16, 4096, 128), (2, 16, 8192, 128), (1, 32, 4096, 256)],
+    "varlen": [],  # VARLEN_MIXED and VARLEN_EQUAL only
 }
 QUICK_SHAPES = [(1, 4, 256, 64), (1, 16, 1024, 128)]
+# Variable-length batches (flash_attn_varlen_func), causal. "mixed": lengths drawn uniformly from 128-4096 up
+# to 65536 tokens, 16 heads of 128, timed beside SDPA's backends on the batch padded to its longest sequence
+# (what runs without varlen). "equal": equal lengths through varlen beside flash_attn_func on the same batch.
+# The default suite runs the mixed batch; --suite varlen all of them.
+VARLEN_MIXED = (65536, 128, 4096, 16, 128)  # tokens, shortest, longest, heads, head dim
+VARLEN_EQUAL = [(8, 16, 2048, 64), (2, 16, 8192, 128)]  # (batch, heads, seqlen, headdim)
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")  # math: plain PyTorch attention
 FAST_SDPA = SDPA_BACKENDS[:3]
 IMPLS = ("cuteflash",) + SDPA_BACKENDS
@@ -351,6 +358,114 @@ def run_case(case: Case, args) -> Result:
     return res
 
 
+@dataclass
+class VarlenResult:
+    name: str  # "mixed ..." or "equal ..."
+    dtype: str
+    ms: dict = field(default_factory=dict)  # fwd/bwd -> implementation -> milliseconds (None: did not run)
+    peers: tuple = ()  # the implementations cuteflash's varlen call is compared with
+
+
+def _varlen_lengths(tokens: int, shortest: int, longest: int) -> list[int]:
+    """Lengths drawn uniformly from [shortest, longest] (a fixed seed) until they sum to `tokens`."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(min(int(torch.randint(shortest, longest + 1, (), generator=g)), tokens - sum(lengths)))
+    return lengths
+
+
+def _time_directions(res: VarlenResult, name: str, fwd, inputs, args) -> None:
+    """Times fwd (and its backward) on each input set under name; None where it does not run."""
+    import torch
+
+    for direction in DIRECTIONS[:1] if args.forward_only else DIRECTIONS:
+        try:
+            fns = [(lambda x=x: fwd(*x)) if direction == "fwd" else _backward_call(fwd, x) for x in inputs]
+            res.ms.setdefault(direction, {})[name] = _time_ms(fns, args.repeats)
+        except (RuntimeError, NotImplementedError, torch.cuda.OutOfMemoryError):
+            if name.startswith("cuteflash"):
+                raise
+            res.ms.setdefault(direction, {})[name] = None
+        torch.cuda.empty_cache()
+
+
+def run_varlen(args, dtype_name: str, equal: bool) -> list[VarlenResult]:
+    """The mixed batch against SDPA on the padded batch; with `equal`, also the equal-length batches against
+    flash_attn_func."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from . import flash_attn_func, flash_attn_varlen_func
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+    results = []
+    tokens, shortest, longest, heads, head_dim = VARLEN_MIXED
+    lengths = _varlen_lengths(tokens, shortest, longest)
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    longest = max(lengths)
+    qkv = [torch.randn(tokens, heads, head_dim, device="cuda", dtype=dtype) for _ in range(3)]
+    res = VarlenResult(
+        f"mixed {len(lengths)} seqs {shortest}-{max(lengths)}, {tokens} tokens, {heads}x{head_dim}", dtype_name
+    )
+
+    def varlen_fwd(q, k, v, cu=cu, longest=longest):
+        return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
+
+    _time_directions(res, "cuteflash varlen", varlen_fwd, [qkv], args)
+    del qkv
+    padded = [torch.randn(len(lengths), heads, longest, head_dim, device="cuda", dtype=dtype) for _ in range(3)]
+    backends = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+    for name, backend in backends.items():
+        if name in args.peers:
+            with sdpa_kernel(backend):
+                _time_directions(
+                    res,
+                    f"{name} padded",
+                    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                    [padded],
+                    args,
+                )
+    del padded
+    res.peers = tuple(n for n in res.ms["fwd"] if n != "cuteflash varlen")
+    results.append(res)
+    for batch, heads, seqlen, head_dim in VARLEN_EQUAL if equal else ():
+        cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device="cuda", dtype=torch.int32)
+        qkv = [torch.randn(batch * seqlen, heads, head_dim, device="cuda", dtype=dtype) for _ in range(3)]
+        res = VarlenResult(f"equal {batch}x{heads}x{seqlen}x{head_dim}", dtype_name, peers=("cuteflash",))
+
+        def equal_varlen(q, k, v, cu=cu, seqlen=seqlen):
+            return flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=True)
+
+        def fixed(q, k, v, batch=batch):
+            return flash_attn_func(*(t.view(batch, -1, *t.shape[1:]) for t in (q, k, v)), causal=True)
+
+        _time_directions(res, "cuteflash varlen", equal_varlen, [qkv], args)
+        _time_directions(res, "cuteflash", fixed, [qkv], args)
+        results.append(res)
+        del qkv
+    return results
+
+
+def varlen_table(results: list[VarlenResult]) -> list[list[str]]:
+    rows = [["case", "dtype", "dir", "varlen ms", "peer", "peer ms", "speedup"]]
+    for r in results:
+        for d, times in r.ms.items():
+            ours = times.get("cuteflash varlen")
+            for peer in r.peers:
+                theirs = times.get(peer)
+                ratio = f"{theirs / ours:.2f}x" if ours and theirs else "-"
+                rows.append([r.name, r.dtype, d, f"{ours:.3f}", peer, f"{theirs:.3f}" if theirs else "-", ratio])
+    return rows
+
+
 def _shape(c: Case) -> str:
     return f"{c.dtype} {c.batch}x{c.heads}x{c.seqlen_q}x{c.head_dim}{' causal' if c.causal else ''}"
 
@@ -467,10 +582,14 @@ def plot(results: list[Result], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write_outputs(results: list[Result], args, device: dict) -> None:
+def write_outputs(results: list[Result], args, device: dict, varlen: list[VarlenResult] = ()) -> None:
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "results": [asdict(r) for r in results]}, f, indent=1)
+            json.dump(
+                {"device": device, "results": [asdict(r) for r in results], "varlen": [asdict(r) for r in varlen]},
+                f,
+                indent=1,
+            )
     if args.csv:
         import csv
 
@@ -566,18 +685,28 @@ def main(argv=None) -> int:
     )
     if "bwd" not in built["directions"]:
         args.forward_only = True
-    cases = build_cases(
-        args, bf16_ok=family == "sm80" and "bfloat16" in built["dtypes"], head_dims_ok=built["head_dims"]
-    )
-    if not cases:
+    bf16_ok = family == "sm80" and "bfloat16" in built["dtypes"]
+    cases = build_cases(args, bf16_ok=bf16_ok, head_dims_ok=built["head_dims"])
+    varlen_runs = not args.quick and args.suite in ("default", "varlen") and VARLEN_MIXED[4] in built["head_dims"]
+    if not cases and not varlen_runs:
         print("cuteflash.bench: this build serves none of the requested head dims", file=sys.stderr)
         return 2
     results = [run_case(case, args) for case in _progress(cases, len(cases))]
-    print_tables(results)
-    write_outputs(results, args, device)
-    if args.plot:
+    varlen = []
+    if varlen_runs:
+        for dtype in args.dtype or (["fp16", "bf16"] if bf16_ok else ["fp16"]):
+            varlen += run_varlen(args, dtype, equal=args.suite == "varlen")
+    if results:
+        print_tables(results)
+    if varlen:
+        print(
+            "\n" + format_rows("Variable-length batches, causal (speedup: peer ms / varlen ms)", varlen_table(varlen))
+        )
+    write_outputs(results, args, device, varlen)
+    if args.plot and results:
         plot(results, args.plot)
-    print(verdict(results))
+    if results:
+        print(verdict(results))
     return 1 if any(r.correct is False for r in results) else 0
 
 

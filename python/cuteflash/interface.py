@@ -6,6 +6,7 @@ from cuteflash import flash_attn_func   # instead of: from flash_attn import fla
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ def _check_unsupported(dropout_p, window_size, softcap, alibi_slopes) -> None:
         raise NotImplementedError("alibi_slopes: ALiBi is not implemented in cuteflash yet; pass None")
 
 
-def _check_qkv(q, k, v) -> None:
+def _check_qkv(q, k, v, varlen: bool) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -39,7 +40,12 @@ def _check_qkv(q, k, v) -> None:
                 f"{name} has dtype {t.dtype}; cuteflash supports torch.float16 and torch.bfloat16: "
                 f"convert with {name}.half() or {name}.bfloat16()"
             )
-        if t.dim() != 4:
+        if varlen and t.dim() != 3:
+            raise ValueError(
+                f"{name} must have 3 dimensions (total_seqlen, nheads, headdim) in a variable-length batch, "
+                f"got shape {tuple(t.shape)}"
+            )
+        if not varlen and t.dim() != 4:
             raise ValueError(
                 f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}"
             )
@@ -47,14 +53,14 @@ def _check_qkv(q, k, v) -> None:
         raise TypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    batch, _, nheads, head_dim = q.shape
-    if k.shape[0] != batch:
-        raise ValueError(f"q has batch {batch} but k and v have batch {k.shape[0]}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"q has head dim {head_dim} but k and v have {k.shape[3]}; they must match")
+    nheads, head_dim = q.shape[-2:]
+    if not varlen and k.shape[0] != q.shape[0]:
+        raise ValueError(f"q has batch {q.shape[0]} but k and v have batch {k.shape[0]}")
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"q has head dim {head_dim} but k and v have {k.shape[-1]}; they must match")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim {head_dim} is not supported: cuteflash supports head dims 1 to {MAX_HEAD_DIM}")
-    nheads_k = k.shape[2]
+    nheads_k = k.shape[-2]
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(
             f"q has {nheads} heads, k and v have {nheads_k}: the number of query heads must be a "
@@ -67,15 +73,59 @@ def _check_qkv(q, k, v) -> None:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
+def _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
+    """The checks of a variable-length batch's arguments that need no synchronisation with the GPU: the
+    offsets' values stay unread on the host. The kernels clamp them to q's and k's rows, and compute each
+    sequence whole whatever the bounds say (max_seqlen_q/k only size the launch)."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} has dtype {cu.dtype}; it must be torch.int32: convert with {name}.int()")
+        if cu.dim() != 1 or cu.numel() == 0:
+            raise ValueError(f"{name} must be 1-D with batch_size + 1 offsets, got shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}; move it with {name}.to(q.device)")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q has {cu_seqlens_q.numel()} offsets and cu_seqlens_k {cu_seqlens_k.numel()}: both must "
+            "have batch_size + 1"
+        )
+    bounds = []
+    for name, bound in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        try:
+            bound = operator.index(bound)
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {type(bound).__name__}") from None
+        if not 0 <= bound < 2**30:
+            raise ValueError(f"{name} must be in [0, 2^30), got {bound}")
+        bounds.append(bound)
+    return cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), *bounds
+
+
 def _attention(
-    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    q,
+    k,
+    v,
+    varlen,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    return_attn_probs,
 ):
+    """q, k, v as _ops.unpack reads them (k None: q is qkv packed; v None: k is kv packed); varlen: None, or
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
     _check_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     if softmax_scale is not None and not (
         isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0
     ):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    _check_qkv(q, k, v)
+    _check_qkv(*_ops.unpack(q, k, v), varlen is not None)
+    varlen = (None, None, 0, 0) if varlen is None else _check_varlen(q, *varlen)
     head_dim = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
@@ -83,11 +133,19 @@ def _attention(
     # and produce zero columns of O that are cut off again.
     pad = -head_dim % 8
     if pad:
-        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
-    out, lse = _ops.forward(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
+        q, k, v = (None if t is None else F.pad(t, (0, pad)) for t in (q, k, v))
+    out, lse = _ops.forward(q, k, v, *varlen, float(softmax_scale), bool(causal), bool(deterministic))
     if pad:
         out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
+
+
+def _check_packed(name: str, t, shape: tuple[str, ...]) -> None:
+    """t must have the dims that `shape` names, the one of them that is a number its size."""
+    count = next(int(d) for d in shape if d.isdigit())
+    if not isinstance(t, torch.Tensor) or t.dim() != len(shape) or t.shape[-3] != count:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must have shape ({', '.join(shape)}), got {got}")
 
 
 def flash_attn_func(
@@ -139,7 +197,18 @@ def flash_attn_func(
         None [if return_attn_probs]: in place of flash-attn's dropout mask.
     """
     return _attention(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+        q,
+        k,
+        v,
+        None,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
     )
 
 
@@ -156,16 +225,15 @@ def flash_attn_qkvpacked_func(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
     """flash_attn_func for q, k and v stacked in one tensor: qkv (batch_size, seqlen, 3, nheads, headdim).
 
-    q, k and v are read in place through their strides, not copied. Arguments and return values are
-    those of flash_attn_func.
+    q, k and v are read in place through their strides, not copied, and the backward pass writes their
+    gradients into one tensor shaped like qkv. Arguments and return values are those of flash_attn_func.
     """
-    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
-        shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
-        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {shape}")
+    _check_packed("qkv", qkv, ("batch", "seqlen", "3", "nheads", "headdim"))
     return _attention(
-        qkv[:, :, 0],
-        qkv[:, :, 1],
-        qkv[:, :, 2],
+        qkv,
+        None,
+        None,
+        None,
         dropout_p,
         softmax_scale,
         causal,
@@ -191,16 +259,154 @@ def flash_attn_kvpacked_func(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
     """flash_attn_func with k and v stacked in one tensor: kv (batch_size, seqlen_k, 2, nheads_k, headdim).
 
-    k and v are read in place through their strides. Arguments and return values are those of
-    flash_attn_func.
+    k and v are read in place through their strides, and the backward pass writes their gradients into one
+    tensor shaped like kv. Arguments and return values are those of flash_attn_func.
     """
-    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
-        shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
-        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {shape}")
+    _check_packed("kv", kv, ("batch", "seqlen_k", "2", "nheads_k", "headdim"))
     return _attention(
         q,
-        kv[:, :, 0],
-        kv[:, :, 1],
+        kv,
+        None,
+        None,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
+    """flash_attn_func for a batch of sequences of different lengths, packed one after another without
+    padding (cuteflash.bert_padding.unpad_input makes such a batch from a padded one).
+
+    Sequence b has the rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of
+    k and v; it attends to its own keys only. causal aligns each sequence's mask to the bottom-right corner of
+    its own (seqlen_q, seqlen_k) score matrix, as flash_attn_func does for the whole batch. Sequences may be
+    empty; a query that sees no key gets an output of zeros.
+
+    Arguments:
+        q: (total_q, nheads, headdim), float16 or bfloat16, on a CUDA GPU.
+        k: (total_k, nheads_k, headdim), same dtype and device; nheads a multiple of nheads_k (MQA/GQA).
+        v: (total_k, nheads_k, headdim).
+        cu_seqlens_q: (batch_size + 1,), torch.int32, on q's device: the sequences' offsets in q, from 0.
+        cu_seqlens_k: (batch_size + 1,), torch.int32: their offsets in k and v.
+        max_seqlen_q: int. The longest sequence of q, as the caller knows it (no synchronisation with the
+            GPU reads it from the offsets). It sizes the launch only: a longer sequence is still computed
+            whole, more slowly; a bound far above the longest launches idle thread blocks.
+        max_seqlen_k: int. The same for k and v.
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic: as flash_attn_func.
+        return_attn_probs: bool. Also return the log-sum-exp (for testing; no attention matrix is made).
+        block_table: paged key/value caches; not implemented yet, only None is accepted.
+    Return:
+        out: (total_q, nheads, headdim). Rows of q outside every sequence are left undefined.
+        softmax_lse [if return_attn_probs]: (nheads, total_q), float32.
+        None [if return_attn_probs]: in place of flash-attn's dropout mask.
+    """
+    if block_table is not None:
+        raise NotImplementedError(
+            "block_table: a paged key/value cache is not implemented in cuteflash yet; pass None with k and v "
+            "holding each sequence's keys and values"
+        )
+    return _attention(
+        q,
+        k,
+        v,
+        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
+    """flash_attn_varlen_func with q, k and v stacked in one tensor: qkv (total, 3, nheads, headdim), and one
+    set of offsets cu_seqlens (batch_size + 1,) and bound max_seqlen for queries and keys.
+
+    q, k and v are read in place, and the backward pass writes their gradients into one tensor shaped like
+    qkv. Arguments and return values are those of flash_attn_varlen_func.
+    """
+    _check_packed("qkv", qkv, ("total", "3", "nheads", "headdim"))
+    return _attention(
+        qkv,
+        None,
+        None,
+        (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen),
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
+    """flash_attn_varlen_func with k and v stacked in one tensor: kv (total_k, 2, nheads_k, headdim).
+
+    k and v are read in place, and the backward pass writes their gradients into one tensor shaped like kv.
+    Arguments and return values are those of flash_attn_varlen_func.
+    """
+    _check_packed("kv", kv, ("total_k", "2", "nheads_k", "headdim"))
+    return _attention(
+        q,
+        kv,
+        None,
+        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         dropout_p,
         softmax_scale,
         causal,

@@ -65,8 +65,8 @@ __device__ __forceinline__ float read_block_max(float const* warp_max) {
 // `row` holds the statistics of the calling thread's row of the element-wise phase (tid / kThreadsPerRow).
 template <typename Traits, typename SumAbsMax>
 __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename Traits::Buffers const& buf,
-                                 BwdParams const& p, int m_block, int n_block, RowStats const& row, int& ds_exp,
-                                 SumAbsMax const& sum_abs_max) {
+                                 BwdParams const& p, Sequence const& seq, int m_block, int n_block,
+                                 RowStats const& row, int& ds_exp, SumAbsMax const& sum_abs_max) {
   constexpr int kLd = Traits::kLdQKV;
   constexpr int kCols = Traits::kCols;
   constexpr int kTilesN = Traits::kBlockN / 16;
@@ -116,7 +116,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   const bool swap = (tid % Traits::kThreadsPerRow) >= 4;
   const int q_row = m_block * Traits::kBlockM + r;
   const int key0 = n_block * Traits::kBlockN + c0;
-  const int key_limit = mask_policy(p).key_end(q_row);  // my row sees the keys below (no left bound)
+  const int key_limit = mask_policy(p, seq).key_end(q_row);  // my row sees the keys below (no left bound)
   const int mine = r * Traits::kLdS + c0;
   const int mine_p = r * Traits::kLdP + c0;
   auto* p_hi = reinterpret_cast<__half*>(smem.p_hi.data()) + mine_p;
@@ -125,7 +125,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   auto* ds_lo = reinterpret_cast<__half*>(smem.ds_lo.data()) + mine_p;
 
   // P and dS of the thread's kCols elements, from S and dP in the scratch (again, on a rare path).
-  const int block_key_limit = mask_policy(p).key_end(m_block * Traits::kBlockM);  // the block's first row's
+  const int block_key_limit = mask_policy(p, seq).key_end(m_block * Traits::kBlockM);  // the block's first row's
   float prob[kCols], ds[kCols];
   auto probs_and_grads_of_thread = [&] {
     load_floats(prob, scratch + mine, swap);
@@ -256,15 +256,17 @@ struct QdoLoads {
 
   BwdParams const& p;
   Rows q, dout;
+  int seqlen_q;
   int tid;
 
-  __device__ QdoLoads(BwdParams const& p_, int batch, int head, int tid_)
+  __device__ QdoLoads(BwdParams const& p_, Sequence const& seq, int head, int tid_)
       : p(p_),
-        q(head_rows<kBlockM, Traits::kHeadDim, half_t const>(p_.q, batch, head)),
-        dout(head_rows<kBlockM, Traits::kHeadDim, half_t const>(p_.dout, batch, head)),
+        q(head_rows<kBlockM, Traits::kHeadDim, half_t const>(p_.q, seq.batch, head, seq.q_row0)),
+        dout(head_rows<kBlockM, Traits::kHeadDim, half_t const>(p_.dout, seq.batch, head, seq.q_row0)),
+        seqlen_q(seq.seqlen_q),
         tid(tid_) {}
 
-  __device__ int rows_left(int m_block) const { return p.seqlen_q - m_block * kBlockM; }
+  __device__ int rows_left(int m_block) const { return seqlen_q - m_block * kBlockM; }
   __device__ void load(int m_block, Regs& q_dst, Regs& do_dst) const {
     Traits::CopyQ::load(q.block(m_block), q_dst, rows_left(m_block), p.head_dim, tid);
     Traits::CopyQ::load(dout.block(m_block), do_dst, rows_left(m_block), p.head_dim, tid);
@@ -313,7 +315,8 @@ __device__ __forceinline__
 template <typename Traits, typename QueryTiles>
 __device__ __forceinline__ void query_product_atomic(QueryTiles const& query_tiles,
                                                      typename Traits::SharedStorage const& smem, BwdParams const& p,
-                                                     int m_block, float ds_unscale, float* stage, float* dq_accum) {
+                                                     int seqlen_q, int m_block, float ds_unscale, float* stage,
+                                                     float* dq_accum) {
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kLdP = Traits::kLdP;
   FragAcc acc[QueryTiles::kCount];
@@ -327,21 +330,16 @@ __device__ __forceinline__ void query_product_atomic(QueryTiles const& query_til
   const int row0 = m_block * Traits::kBlockM + query_tiles.row * 16;
   query_tiles.for_each([&](int i, int col0) {
     red_add_tile<Traits::kStageLd>(acc[i], p.softmax_scale * ds_unscale, stage,
-                                   dq_accum + int64_t(row0) * kHeadDim + col0, kHeadDim, p.seqlen_q - row0,
+                                   dq_accum + int64_t(row0) * kHeadDim + col0, kHeadDim, seqlen_q - row0,
                                    p.head_dim - col0);
   });
 }
 
-// dK/dV kernel: one thread block per key block, walking the query blocks that see it. Phases: the loads
-// (K and V once, Q and dO per step: QdoLoads), the softmax gradient (probs_and_grads), the products
-// (key_products, query_product_atomic, in the order of Traits::kSchedule), the epilogue (dK and dV, and the
-// head's dQ by its last block).
-// The dK/dV kernel: one thread block per key block, walking the query blocks that see it. A step's phases:
-// loads (Q and dO, staged as Traits::kStaging says), the softmax gradient (probs_and_grads), the products
-// (key_products, query_product_atomic, ordered by Traits::kSchedule); then the epilogue (dK, dV, and the
-// head's dQ by its last block).
+// Key block n_block of one (sequence, head) in the dK/dV kernel, walking the query blocks that see it. A
+// step's phases: loads (Q and dO, staged as Traits::kStaging says), the softmax gradient (probs_and_grads),
+// the products (key_products, query_product_atomic, ordered by Traits::kSchedule); then the epilogue (dK, dV).
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_kernel(const BwdParams p) {
+__device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& seq, int head, int n_block) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -351,27 +349,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
   extern __shared__ __align__(128) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
-  const int n_block = blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
   const int head_k = head / (p.nheads / p.nheads_k);
   const int tid = thread_index<Traits::kNThreads>();
   const int warp = tid / 32;
-  const int keys_left = p.seqlen_k - n_block * kBlockN;
+  const int keys_left = seq.seqlen_k - n_block * kBlockN;
   // The query blocks with a row that sees a key of this block (probs_and_grads masks per element). The first
   // is derived here from the first key's rows rather than taken from query_blocks: the same value, but in this
   // form the kernel compiles to the code of its causal-only arithmetic (from query_blocks its schedule moved,
   // 3-4 % slower at head dim 256).
-  const int m_block_begin = mask_policy(p).right_bounded() ? mask_policy(p).row_begin(n_block * kBlockN) / kBlockM : 0;
-  const int m_block_end = mask_policy(p).query_blocks<kBlockM, kBlockN>(n_block).end;
+  const MaskPolicy<false> mask = mask_policy(p, seq);
+  const int m_block_begin = mask.right_bounded() ? mask.row_begin(n_block * kBlockN) / kBlockM : 0;
+  const int m_block_end = mask.query_blocks<kBlockM, kBlockN>(n_block).end;
 
-  const QdoLoads<Traits> loads(p, batch, head, tid);
+  const QdoLoads<Traits> loads(p, seq, head, tid);
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
-  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim, half_t const>(p.k, batch, head_k).block(n_block), sK, keys_left,
-                       p.head_dim, tid);
-  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim, half_t const>(p.v, batch, head_k).block(n_block), sV, keys_left,
-                       p.head_dim, tid);
+  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim, half_t const>(p.k, seq.batch, head_k, seq.k_row0).block(n_block),
+                       sK, keys_left, p.head_dim, tid);
+  Traits::CopyKV::copy(head_rows<kBlockN, kHeadDim, half_t const>(p.v, seq.batch, head_k, seq.k_row0).block(n_block),
+                       sV, keys_left, p.head_dim, tid);
 
   using KeyTiles = typename Traits::KeyTiles;
   constexpr bool kSplit = Traits::kSchedule.split_key_products;
@@ -389,8 +385,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     if constexpr (!kSplit) nvcuda::wmma::fill_fragment(acc_dv[i], 0.f);
   }
   float* stage = Traits::stage(smem, warp);
-  const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
-  float* dq_accum = dq_accum_region<kHeadDim>(p, batch, head);  // row-major
+  const int64_t row_stats = seq.stats(p, head);
+  float* dq_accum = dq_accum_region<kHeadDim>(p, seq, head);  // row-major
 
   // Loads: kRegisters keeps a step's Q and dO in registers from the top of the step before, kPingPong puts
   // the first step's in region 0.
@@ -407,12 +403,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     key_products<Traits>(acc_dk, acc_dv, key_tiles, has_dk, has_dv, smem, s_q, s_do, p.fp16_correction);
   };
   auto dq = [&](int m_block, float ds_unscale) {
-    if (!p.deterministic) query_product_atomic<Traits>(query_tiles, smem, p, m_block, ds_unscale, stage, dq_accum);
+    if (!p.deterministic) {
+      query_product_atomic<Traits>(query_tiles, smem, p, seq.seqlen_q, m_block, ds_unscale, stage, dq_accum);
+    }
   };
 
   int which = 0;  // the region holding the step's Q and dO (always 0 without kPingPong)
   const int row_in_block = tid / Traits::kThreadsPerRow;                     // the calling thread's in probs_and_grads
-  RowStats row_ahead(p, row_stats, m_block_begin * kBlockM + row_in_block);  // kRegisters: the coming step's
+  RowStats row_ahead(p, row_stats, m_block_begin * kBlockM + row_in_block, seq.seqlen_q);  // kRegisters: the next
   for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
     // No warp still reads the previous Q, dO, P, dS or its staging tile; with kPingPong, this step's Q
     // and dO are in place.
@@ -433,12 +431,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     // The row statistics, first used after S and dP. kRegisters loads them a step ahead like Q and dO:
     // at d=64 the products of S and dP are too short to hide the loads' latency. Else loaded here (held
     // through a step, they would be spilled at d=128).
-    const RowStats row = kRegisters ? row_ahead : RowStats(p, row_stats, m_block * kBlockM + row_in_block);
-    if (kRegisters && has_next) row_ahead = RowStats(p, row_stats, m_next * kBlockM + row_in_block);
+    const RowStats row =
+        kRegisters ? row_ahead : RowStats(p, row_stats, m_block * kBlockM + row_in_block, seq.seqlen_q);
+    if (kRegisters && has_next) row_ahead = RowStats(p, row_stats, m_next * kBlockM + row_in_block, seq.seqlen_q);
     if constexpr (!kPingPong) __syncthreads();
 
     // Softmax gradient: P and dS into shared memory.
-    const float dk_rescale = probs_and_grads<Traits>(smem, buf, p, m_block, n_block, row, ds_exp,
+    const float dk_rescale = probs_and_grads<Traits>(smem, buf, p, seq, m_block, n_block, row, ds_exp,
                                                      [&] { return has_dk ? abs_max_of_tiles(acc_dk) : 0.f; });
     if (has_dk) rescale_tiles(acc_dk, dk_rescale);
     // Products, in the schedule's order. Between the first and the others, loads: kPingPong loads the next
@@ -472,45 +471,55 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
       which ^= 1;
     }
   }
-  // The staging tiles may alias the scratch: no warp still reads it (also with no step). And every warp
-  // has issued its dQ atomics: count the block done (release: its atomics before the count).
+  // The staging tiles may alias the scratch: no warp still reads it (also with no step).
   __syncthreads();
-  int blocks_done_before = 0;
-  if (!p.deterministic && tid == 0) {
-    __threadfence();
-    blocks_done_before = atomicAdd(dq_blocks_done<kHeadDim>(p, batch, head), 1);
-  }
 
   // Epilogue: dK = scale dS^T Q and dV, in the input dtype; a key block that no query sees gets zeros.
-  auto* dk = p.dk.at<half_t>(batch, head);
-  auto* dv = p.dv.at<half_t>(batch, head);
+  auto* dk = p.dk.at<half_t>(seq.batch, head, seq.k_row0);
+  auto* dv = p.dv.at<half_t>(seq.batch, head, seq.k_row0);
   const int row0 = n_block * kBlockN + key_tiles.row * 16;
   key_tiles.for_each([&](int i, int col0) {
     if (has_dk) {
       store_tile_fp16(acc_dk[i], p.softmax_scale * exp2f_int(-ds_exp), stage,
-                      dk + int64_t(row0) * p.dk.row_stride + col0, p.dk.row_stride, p.seqlen_k - row0,
+                      dk + int64_t(row0) * p.dk.row_stride + col0, p.dk.row_stride, seq.seqlen_k - row0,
                       p.head_dim - col0);
     }
     if (has_dv) {
       store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv.row_stride + col0, p.dv.row_stride,
-                      p.seqlen_k - row0, p.head_dim - col0);
+                      seq.seqlen_k - row0, p.head_dim - col0);
     }
   });
+}
 
-  // The head's last block to finish converts its dQ (acquire: the other blocks' atomics after the count;
-  // the count came back during the stores above). The head's query rows that no key sees are zeros.
+// The dK/dV kernel: one thread block per key block of each (sequence, head) (sequence.cuh). The head's dQ,
+// summed by atomics, is converted by the last of its thread blocks to finish (a sequence without keys:
+// zeros).
+template <typename Traits, bool kVarlen>
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_kernel(const BwdParams p) {
+  const int head = blockIdx.y;
+  // A sequence without keys has no tile: its blocks only count themselves, and the last converts zeros.
+  for_each_tile<kVarlen>(
+      p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_k, Traits::kBlockN); },
+      [&](Sequence const& seq, int n_block) { bwd_block<Traits>(p, seq, head, n_block); });
+  if (p.deterministic) return;
+  // Every warp has issued its dQ atomics: count the block done (release: its atomics before the count). The
+  // last to count converts (acquire: the other blocks' atomics after the count).
+  __syncthreads();
   bool last = false;
-  if (!p.deterministic && tid == 0 && blocks_done_before == int(gridDim.x) - 1) {
-    last = true;
+  if (threadIdx.x == 0) {
     __threadfence();
+    last = atomicAdd(dq_blocks_done(p, blockIdx.z, head), 1) == int(gridDim.x) - 1;
+    if (last) __threadfence();
   }
-  if (__syncthreads_or(last)) convert_dq_rowmajor<half_t, kHeadDim, Traits::kNThreads>(p, batch, head);
+  if (__syncthreads_or(last)) {
+    convert_dq_rowmajor<half_t, Traits::kHeadDim, Traits::kNThreads>(p, sequence<kVarlen>(p, blockIdx.z), head);
+  }
 }
 
 // Deterministic dQ: one thread block per query block walks the key blocks it sees in a fixed order,
 // recomputing P and dS, and keeps dQ += dS K / s in registers.
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdParams p) {
+__device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const& seq, int head, int m_block) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -519,28 +528,24 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   extern __shared__ __align__(128) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
-  const int m_block = blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
   const int head_k = head / (p.nheads / p.nheads_k);
   const int tid = thread_index<Traits::kNThreads>();
   const int warp = tid / 32;
-  const int rows_left = p.seqlen_q - m_block * kBlockM;
+  const int rows_left = seq.seqlen_q - m_block * kBlockM;
 
-  const auto gK = head_rows<kBlockN, kHeadDim, half_t const>(p.k, batch, head_k);
-  const auto gV = head_rows<kBlockN, kHeadDim, half_t const>(p.v, batch, head_k);
+  const auto gK = head_rows<kBlockN, kHeadDim, half_t const>(p.k, seq.batch, head_k, seq.k_row0);
+  const auto gV = head_rows<kBlockN, kHeadDim, half_t const>(p.v, seq.batch, head_k, seq.k_row0);
   // block(i) of gK, gV: (kBlockN, kHeadDim)
   const auto buf = Traits::buffers(smem, 0);
   Tensor sQ = make_tensor(make_smem_ptr(buf.q), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(buf.dout), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
-  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim, half_t const>(p.q, batch, head).block(m_block), sQ, rows_left,
-                      p.head_dim, tid);
-  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim, half_t const>(p.dout, batch, head).block(m_block), sdO, rows_left,
-                      p.head_dim, tid);
-  const RowStats row(p, (int64_t(batch) * p.nheads + head) * p.seqlen_q,
-                     m_block * kBlockM + tid / Traits::kThreadsPerRow);
+  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim, half_t const>(p.q, seq.batch, head, seq.q_row0).block(m_block), sQ,
+                      rows_left, p.head_dim, tid);
+  Traits::CopyQ::copy(head_rows<kBlockM, kHeadDim, half_t const>(p.dout, seq.batch, head, seq.q_row0).block(m_block),
+                      sdO, rows_left, p.head_dim, tid);
+  const RowStats row(p, seq.stats(p, head), m_block * kBlockM + tid / Traits::kThreadsPerRow, seq.seqlen_q);
 
   using QueryTiles = typename Traits::QueryTiles;
   const QueryTiles query_tiles(warp);
@@ -552,14 +557,14 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   auto const* ds_lo = reinterpret_cast<__half const*>(smem.ds_lo.data());
   auto const* s_k = reinterpret_cast<__half const*>(smem.k.data());
 
-  const BlockRange keys = mask_policy(p).key_blocks<kBlockM, kBlockN>(m_block);
+  const BlockRange keys = mask_policy(p, seq).key_blocks<kBlockM, kBlockN>(m_block);
   for (int n_block = keys.begin; n_block < keys.end; ++n_block) {
     __syncthreads();  // no warp still reads the previous K, V or dS
-    const int keys_left = p.seqlen_k - n_block * kBlockN;
+    const int keys_left = seq.seqlen_k - n_block * kBlockN;
     Traits::CopyKV::copy(gK.block(n_block), sK, keys_left, p.head_dim, tid);
     Traits::CopyKV::copy(gV.block(n_block), sV, keys_left, p.head_dim, tid);
     __syncthreads();
-    rescale_tiles(acc_dq, probs_and_grads<Traits>(smem, buf, p, m_block, n_block, row, ds_exp,
+    rescale_tiles(acc_dq, probs_and_grads<Traits>(smem, buf, p, seq, m_block, n_block, row, ds_exp,
                                                   [&] { return abs_max_of_tiles(acc_dq); }));
     const int band = query_tiles.row * 16 * kLdP;
     mma_row_tiles_split<kBlockN, false>(acc_dq, query_tiles, ds_hi + band, ds_lo + band, kLdP, s_k, kLd,
@@ -568,12 +573,20 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   __syncthreads();  // the staging tiles alias the scratch
 
   float* stage = Traits::stage(smem, warp);
-  auto* dq = p.dq.at<half_t>(batch, head);
+  auto* dq = p.dq.at<half_t>(seq.batch, head, seq.q_row0);
   const int row0 = m_block * kBlockM + query_tiles.row * 16;
   query_tiles.for_each([&](int i, int col0) {
     store_tile_fp16(acc_dq[i], p.softmax_scale * exp2f_int(-ds_exp), stage, dq + int64_t(row0) * p.dq.row_stride + col0,
-                    p.dq.row_stride, p.seqlen_q - row0, p.head_dim - col0);
+                    p.dq.row_stride, seq.seqlen_q - row0, p.head_dim - col0);
   });
+}
+
+// One thread block per query block of each (sequence, head) (sequence.cuh).
+template <typename Traits, bool kVarlen>
+__global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdParams p) {
+  for_each_tile<kVarlen>(
+      p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
+      [&](Sequence const& seq, int m_block) { bwd_dq_block<Traits>(p, seq, blockIdx.y, m_block); });
 }
 
 }  // namespace cuteflash::sm70

@@ -18,12 +18,15 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
   launch_bwd_preprocess<Element, kHeadDim>(p, stream);
   auto launch_one = [&](auto traits) {
     using Traits = decltype(traits);
-    dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
-    launch(&bwd_kernel<Traits>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm70 backward");
-    if (p.deterministic) {
-      dim3 grid_dq(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
-      launch(&bwd_dq_kernel<Traits>, grid_dq, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm70 backward dQ");
-    }
+    for_batch_kind(p, [&](auto varlen) {
+      dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
+      launch(&bwd_kernel<Traits, varlen()>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm70 backward");
+      if (p.deterministic) {
+        dim3 grid_dq(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
+        launch(&bwd_dq_kernel<Traits, varlen()>, grid_dq, Traits::kNThreads, Traits::kSmemBytes, stream, p,
+               "sm70 backward dQ");
+      }
+    });
   };
   launch_tile_choices<BwdTraitsChoice, kHeadDim>(launch_one, "sm70 backward");
 }

@@ -21,8 +21,9 @@ namespace cuteflash::sm70 {
 
 using namespace cute;
 
+// Query block m_block of one (sequence, head).
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_kernel(const FwdParams p) {
+__device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& seq, int head, int m_block) {
   using namespace nvcuda;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -38,14 +39,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   extern __shared__ __align__(128) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
-  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest causal blocks first
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
   const int head_k = head / (p.nheads / p.nheads_k);
   const int tid = thread_index<Traits::kNThreads>();
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int rows_left = p.seqlen_q - m_block * kBlockM;
+  const int rows_left = seq.seqlen_q - m_block * kBlockM;
   // The row (of this warp's) and the part of the key columns this lane owns in the scratch: with 32
   // rows, lane r all of row r; with 16, lanes 0-15 the first half of rows 0-15, lanes 16-31 the second.
   // Rows r with bit 2 of r differing from bit 3 visit their quads of columns rotated by one, so that the
@@ -58,9 +56,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   const int row_in_block = warp * kWarpRows + my_row;
   const int q_row = m_block * kBlockM + row_in_block;
 
-  const auto gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, batch, head);
-  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, batch, head_k);
-  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, batch, head_k);
+  const auto gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, seq.batch, head, seq.q_row0);
+  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, seq.batch, head_k, seq.k_row0);
+  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, seq.batch, head_k, seq.k_row0);
   // block(i) of gQ: (kBlockM, kHeadDim); of gK, gV: (kBlockN, kHeadDim)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});   // (kBlockM, kHeadDim)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)
@@ -75,8 +73,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   // Key blocks [keys.begin, keys.end), masked from keys.unmasked_end on. mask_policy bounds no row on the left,
   // so keys.begin == keys.unmasked_begin and a row's keys end at key_limit (a window's left edge adds masked
   // blocks at the start, and a second bound per row).
-  const BlockRange keys = mask_policy(p).key_blocks<kBlockM, kBlockN>(m_block);
-  const int key_limit = mask_policy(p).key_end(q_row);  // keys < key_limit are visible to my row
+  const BlockRange keys = mask_policy(p, seq).key_blocks<kBlockM, kBlockN>(m_block);
+  const int key_limit = mask_policy(p, seq).key_end(q_row);  // keys < key_limit are visible to my row
 
   // The row (within its 16x16 tile) of each element of an accumulator fragment, learned from a tile of
   // row numbers.
@@ -110,7 +108,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   // cp.async): K(n + 1) during the softmax, V(n + 1) during P V(n). Each is stored to shared memory
   // after the barrier that frees its buffer, so the loop keeps two barriers per block.
   auto kv_regs = Traits::CopyKV::make_regs();
-  auto keys_left = [&](int n_block) { return p.seqlen_k - n_block * kBlockN; };
+  auto keys_left = [&](int n_block) { return seq.seqlen_k - n_block * kBlockN; };
   if (!keys.empty()) {
     Traits::CopyKV::copy(gK.block(keys.begin), sK, keys_left(keys.begin), p.head_dim, tid);
     Traits::CopyKV::load(gV.block(keys.begin), kv_regs, keys_left(keys.begin), p.head_dim, tid);
@@ -253,7 +251,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
   const bool empty = l == 0.f;  // no visible key: O = 0, lse = +inf (as the sm80 kernel)
   if (my_half == 0) alpha_rows[my_row] = empty ? 0.f : 1.f / l;
   __syncwarp();
-  auto* out = p.o.at<Element>(batch, head);
+  auto* out = p.o.at<Element>(seq.batch, head, seq.q_row0);
   CUTE_UNROLL
   for (int t = 0; t < kRowTiles; ++t) {
     float inv_of[kFragElems];
@@ -265,13 +263,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_ker
       CUTE_UNROLL
       for (int i = 0; i < kFragElems; ++i) acc_o[t][j].x[i] *= inv_of[i];
       store_tile_fp16(acc_o[t][j], 1.f, scratch, out + int64_t(row0) * p.o.row_stride + j * 16, p.o.row_stride,
-                      p.seqlen_q - row0, p.head_dim - j * 16);
+                      seq.seqlen_q - row0, p.head_dim - j * 16);
     }
   }
-  if (my_half == 0 && q_row < p.seqlen_q) {
-    p.lse[(int64_t(batch) * p.nheads + head) * p.seqlen_q + q_row] =
+  if (my_half == 0 && q_row < seq.seqlen_q) {
+    p.lse[seq.stats(p, head) + q_row] =
         empty ? INFINITY : m * p.softmax_scale + logf(l) - p_shift * 0.6931471805599453f;
   }
+}
+
+// One thread block per query block of each (sequence, head) (sequence.cuh), the heaviest causal blocks first.
+template <typename Traits, bool kVarlen>
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_kernel(const FwdParams p) {
+  for_each_tile<kVarlen>(
+      p, gridDim.x - 1 - blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
+      [&](Sequence const& seq, int m_block) { fwd_block<Traits>(p, seq, blockIdx.y, m_block); });
 }
 
 }  // namespace cuteflash::sm70

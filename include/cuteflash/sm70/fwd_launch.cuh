@@ -15,7 +15,9 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
   auto launch_one = [&](auto traits) {
     using Traits = decltype(traits);
     dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
-    launch(&fwd_kernel<Traits>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm70 forward");
+    for_batch_kind(p, [&](auto varlen) {
+      launch(&fwd_kernel<Traits, varlen()>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm70 forward");
+    });
   };
   launch_tile_choices<FwdTraitsChoice, kHeadDim>(launch_one, "sm70 forward");
 }

@@ -43,11 +43,11 @@ __device__ __forceinline__ void probs_to_grads(PTensor const& prob, DPTensor& dp
 
 // lse * log2(e) and D of the rows this thread holds (coord: (row, col) in the tile's (rows, cols) view).
 template <typename Coord, int kRows>
-__device__ __forceinline__ void load_row_stats(BwdParams const& p, int64_t row_stats, int row0, Coord const& coord,
-                                               float (&lse_log2)[kRows], float (&d)[kRows]) {
+__device__ __forceinline__ void load_row_stats(BwdParams const& p, int64_t row_stats, int seqlen_q, int row0,
+                                               Coord const& coord, float (&lse_log2)[kRows], float (&d)[kRows]) {
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
-    const RowStats row(p, row_stats, row0 + get<0>(coord(mi, 0)));
+    const RowStats row(p, row_stats, row0 + get<0>(coord(mi, 0)), seqlen_q);
     lse_log2[mi] = row.lse_log2();
     d[mi] = row.d;
   }
@@ -55,8 +55,8 @@ __device__ __forceinline__ void load_row_stats(BwdParams const& p, int64_t row_s
 
 // The (kRows, kHeadDim) tile of dq that query block m_block writes.
 template <int kRows, int kHeadDim, typename Element>
-__device__ __forceinline__ auto dq_tile(BwdParams const& p, int batch, int head, int m_block) {
-  return head_rows<kRows, kHeadDim, Element>(p.dq, batch, head).block(m_block);
+__device__ __forceinline__ auto dq_tile(BwdParams const& p, Sequence const& seq, int head, int m_block) {
+  return head_rows<kRows, kHeadDim, Element>(p.dq, seq.batch, head, seq.q_row0).block(m_block);
 }
 
 // How many consecutive dQ accumulator elements a thread adds with one reduction: sm90 has 16-byte ones,
@@ -72,13 +72,14 @@ constexpr int kDqAccumVec = 1;
 // that the same elements of all threads lie side by side and a warp's reduction covers whole 128-byte
 // lines. bwd_kernel adds there, convert_dq_kernel reads back.
 template <typename Traits>
-__device__ __forceinline__ float* dq_accum_slots(BwdParams const& p, int batch, int head, int m_block) {
-  return dq_accum_region<Traits::kHeadDim>(p, batch, head) + m_block * Traits::kBlockM * Traits::kHeadDim +
+__device__ __forceinline__ float* dq_accum_slots(BwdParams const& p, Sequence const& seq, int head, int m_block) {
+  return dq_accum_region<Traits::kHeadDim>(p, seq, head) + m_block * Traits::kBlockM * Traits::kHeadDim +
          threadIdx.x * kDqAccumVec;
 }
 
+// Key block n_block of one (sequence, head).
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams p) {
+__device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& seq, int head, int n_block) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -88,22 +89,19 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   extern __shared__ __align__(128) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
-  const int n_block = blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
   const int head_k = head / (p.nheads / p.nheads_k);
   const int tid = threadIdx.x;
-  const int keys_left = p.seqlen_k - n_block * kBlockN;
+  const int keys_left = seq.seqlen_k - n_block * kBlockN;
   // The query blocks with a row that sees a key of this block, and those that need no mask.
-  const BlockRange queries = mask_policy(p).query_blocks<kBlockM, kBlockN>(n_block);
+  const BlockRange queries = mask_policy(p, seq).query_blocks<kBlockM, kBlockN>(n_block);
 
-  const auto gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, batch, head);
-  const auto gdO = head_rows<kBlockM, kHeadDim, Element const>(p.dout, batch, head);
+  const auto gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, seq.batch, head, seq.q_row0);
+  const auto gdO = head_rows<kBlockM, kHeadDim, Element const>(p.dout, seq.batch, head, seq.q_row0);
   // block(i) of gQ, gdO: (kBlockM, kHeadDim)
-  Tensor gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, batch, head_k).block(n_block);
-  Tensor gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, batch, head_k).block(n_block);
+  Tensor gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, seq.batch, head_k, seq.k_row0).block(n_block);
+  Tensor gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, seq.batch, head_k, seq.k_row0).block(n_block);
   // gK, gV: (kBlockN, kHeadDim)
-  const int64_t row_stats = (int64_t(batch) * p.nheads + head) * p.seqlen_q;
+  const int64_t row_stats = seq.stats(p, head);
 
   // Q's stage s lives at smem.q + s * kQSize; the partitions below are of stage 0 and get the offset of
   // the current stage added to their pointers.
@@ -134,10 +132,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   const bool full_head_dim = p.head_dim == kHeadDim;
   auto load_rows = [&](auto const& rows, auto&& dst, int m_block) {
     Tensor src = gmem_thr.partition_S(rows.block(m_block));  // (CPY, CPY_M, CPY_K)
-    if (full_head_dim && (m_block + 1) * kBlockM <= p.seqlen_q) {
+    if (full_head_dim && (m_block + 1) * kBlockM <= seq.seqlen_q) {
       copy(gmem_copy, src, dst);
     } else {
-      copy_tile_bounded<true>(gmem_copy, src, dst, tQcQ, p.seqlen_q - m_block * kBlockM, p.head_dim);
+      copy_tile_bounded<true>(gmem_copy, src, dst, tQcQ, seq.seqlen_q - m_block * kBlockM, p.head_dim);
     }
   };
   auto load_q = [&](int m_block, int stage) {
@@ -215,7 +213,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
     __syncthreads();  // Q and dO of this block (and K, V) are in shared memory
 
     float lse_log2[kRows], d[kRows];  // loaded first: the products hide the global loads' latency
-    load_row_stats(p, row_stats, m_block * kBlockM, tScS_rc, lse_log2, d);
+    load_row_stats(p, row_stats, seq.seqlen_q, m_block * kBlockM, tScS_rc, lse_log2, d);
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
     clear(acc_s);
     gemm_ss(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + q_stage * kQSize, tSsQ.layout()), tSsK, mma_sdp, copy_a_sdp,
@@ -228,7 +226,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
     // P, in place; rows past seqlen_q get lse = +inf: P = 0.
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
     if (queries.masked(m_block)) {
-      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p));
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p, seq));
     }
     scores_to_probs(s, lse_log2, p.softmax_scale_log2);
     copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_s)), tPsP);
@@ -263,7 +261,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
       clear(acc_dq);
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq, thr_b_dq);
-      float* slots = dq_accum_slots<Traits>(p, batch, head, m_block);  // no bounds checks: whole blocks
+      float* slots = dq_accum_slots<Traits>(p, seq, head, m_block);  // no bounds checks: whole blocks
       static_assert(decltype(size(acc_dq))::value % kDqAccumVec == 0);
       CUTE_UNROLL
       for (int i = 0; i < size(acc_dq); i += kDqAccumVec) {
@@ -279,30 +277,35 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams 
   cp_async_wait<0>();
 
   // ---- Epilogue: dK and dV through the shared memory of K and V; a key block no query sees gets zeros.
-  Tensor gdK = head_rows<kBlockN, kHeadDim, Element>(p.dk, batch, head).block(n_block);
-  Tensor gdV = head_rows<kBlockN, kHeadDim, Element>(p.dv, batch, head).block(n_block);
+  Tensor gdK = head_rows<kBlockN, kHeadDim, Element>(p.dk, seq.batch, head, seq.k_row0).block(n_block);
+  Tensor gdV = head_rows<kBlockN, kHeadDim, Element>(p.dv, seq.batch, head, seq.k_row0).block(n_block);
   __syncthreads();  // no warp reads K or V any more
   using Fwd = typename Traits::Fwd;
   store_acc_tile<Fwd, kBlockN>(acc_dk, mma_dkv, smem.k.data(), gdK, keys_left, p.head_dim);
   store_acc_tile<Fwd, kBlockN>(acc_dv, mma_dkv, smem.v.data(), gdV, keys_left, p.head_dim);
 }
 
+// One thread block per key block of each (sequence, head) (sequence.cuh).
+template <typename Traits, bool kVarlen>
+__global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams p) {
+  for_each_tile<kVarlen>(
+      p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_k, Traits::kBlockN); },
+      [&](Sequence const& seq, int n_block) { bwd_block<Traits>(p, seq, blockIdx.y, n_block); });
+}
+
 // dq = dq_accum for the regions bwd_kernel<Traits> wrote: one thread block per query block, each thread
 // reading back the accumulator elements it added (coalesced) and storing them at their (row, column).
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads) convert_dq_kernel(const BwdParams p) {
+__device__ __forceinline__ void convert_dq_block(BwdParams const& p, Sequence const& seq, int head, int m_block) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;
-  const int m_block = blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
   const int tid = threadIdx.x;
 
   typename Traits::TiledMmadQ mma_dq;
   auto thr_dq = mma_dq.get_thread_slice(tid);
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
-  float const* slots = dq_accum_slots<Traits>(p, batch, head, m_block);
+  float const* slots = dq_accum_slots<Traits>(p, seq, head, m_block);
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dq); i += kDqAccumVec) {
     CUTE_UNROLL
@@ -310,8 +313,15 @@ __global__ void __launch_bounds__(Traits::kNThreads) convert_dq_kernel(const Bwd
   }
   extern __shared__ __align__(128) char smem_raw[];
   store_acc_tile<typename Traits::Fwd, kBlockM>(acc_dq, mma_dq, reinterpret_cast<Element*>(smem_raw),
-                                                dq_tile<kBlockM, kHeadDim, Element>(p, batch, head, m_block),
-                                                p.seqlen_q - m_block * kBlockM, p.head_dim);
+                                                dq_tile<kBlockM, kHeadDim, Element>(p, seq, head, m_block),
+                                                seq.seqlen_q - m_block * kBlockM, p.head_dim);
+}
+
+template <typename Traits, bool kVarlen>
+__global__ void __launch_bounds__(Traits::kNThreads) convert_dq_kernel(const BwdParams p) {
+  for_each_tile<kVarlen>(
+      p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
+      [&](Sequence const& seq, int m_block) { convert_dq_block<Traits>(p, seq, blockIdx.y, m_block); });
 }
 
 // Deterministic dQ: one thread block per query block walks the key blocks it sees (in a fixed order),
@@ -327,7 +337,7 @@ struct DqSharedStorage {
 };
 
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdParams p) {
+__device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const& seq, int head, int m_block) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -335,28 +345,25 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   extern __shared__ __align__(128) char smem_raw[];
   auto& smem = *reinterpret_cast<DqSharedStorage<Traits>*>(smem_raw);
 
-  const int m_block = blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
   const int head_k = head / (p.nheads / p.nheads_k);
   const int tid = threadIdx.x;
-  const int rows_left = p.seqlen_q - m_block * kBlockM;
+  const int rows_left = seq.seqlen_q - m_block * kBlockM;
 
-  Tensor gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, batch, head).block(m_block);
-  Tensor gdO = head_rows<kBlockM, kHeadDim, Element const>(p.dout, batch, head).block(m_block);
-  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, batch, head_k);
-  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, batch, head_k);
+  Tensor gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, seq.batch, head, seq.q_row0).block(m_block);
+  Tensor gdO = head_rows<kBlockM, kHeadDim, Element const>(p.dout, seq.batch, head, seq.q_row0).block(m_block);
+  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, seq.batch, head_k, seq.k_row0);
+  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, seq.batch, head_k, seq.k_row0);
   // gQ, gdO: (kBlockM, kHeadDim); block(i) of gK, gV: (kBlockN, kHeadDim)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});      // (kBlockM, kHeadDim)
   Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
   Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutVt{});    // (kHeadDim, kBlockN)
-  Tensor gdQ = dq_tile<kBlockM, kHeadDim, Element>(p, batch, head, m_block);                  // (kBlockM, kHeadDim)
+  Tensor gdQ = dq_tile<kBlockM, kHeadDim, Element>(p, seq, head, m_block);                  // (kBlockM, kHeadDim)
 
-  // A block that sees no key (causal, seqlen_q > seqlen_k) has dQ = 0 and loads nothing: the epilogue
-  // reuses sQ, which a Q copy still in flight (awaited only inside the key loop) would overwrite.
-  const BlockRange keys = mask_policy(p).key_blocks<kBlockM, kBlockN>(m_block);
+  // A block that sees no key (causal, seqlen_q > seqlen_k; seqlen_k = 0) has dQ = 0 and loads nothing: the
+  // epilogue reuses sQ, which a Q copy still in flight (awaited only inside the key loop) would overwrite.
+  const BlockRange keys = mask_policy(p, seq).key_blocks<kBlockM, kBlockN>(m_block);
   if (keys.empty()) {
     store_zero_tile<Traits>(sQ, gdQ, rows_left, p.head_dim);
     return;
@@ -396,11 +403,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   float lse_log2[kRows], d_row[kRows];
-  load_row_stats(p, (int64_t(batch) * p.nheads + head) * p.seqlen_q, m_block * kBlockM, tScS_rc, lse_log2, d_row);
+  load_row_stats(p, seq.stats(p, head), seq.seqlen_q, m_block * kBlockM, tScS_rc, lse_log2, d_row);
 
   for (int n_block = keys.end - 1; n_block >= keys.begin; --n_block) {
     __syncthreads();  // no warp still reads the previous K and V
-    int keys_left = p.seqlen_k - n_block * kBlockN;
+    int keys_left = seq.seqlen_k - n_block * kBlockN;
     copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gK.block(n_block)), tKsK, tKVcKV, keys_left, p.head_dim);
     copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gV.block(n_block)), tVsV, tKVcKV, keys_left, p.head_dim);
     cp_async_commit();
@@ -416,7 +423,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
     if (keys.masked(n_block)) {
-      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p));
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p, seq));
     }
     scores_to_probs(s, lse_log2, p.softmax_scale_log2);
     probs_to_grads(s, dp, d_row, p.softmax_scale);
@@ -427,6 +434,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdPara
 
   __syncthreads();  // no warp reads Q any more (the loop ran at least once: every copy has landed)
   store_acc_tile<Traits, kBlockM>(acc_dq, tiled_mma, smem.q.data(), gdQ, rows_left, p.head_dim);
+}
+
+template <typename Traits, bool kVarlen>
+__global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdParams p) {
+  for_each_tile<kVarlen>(
+      p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
+      [&](Sequence const& seq, int m_block) { bwd_dq_block<Traits>(p, seq, blockIdx.y, m_block); });
 }
 
 }  // namespace cuteflash::sm80

@@ -1,6 +1,6 @@
 // sm80 forward kernel: FlashAttention-2 with ldmatrix + mma.sync.m16n8k16 + cp.async.
 //
-// One thread block owns kBlockM query rows of one (batch, head). It walks the visible key blocks from
+// One thread block owns kBlockM query rows of one (sequence, head). It walks the visible key blocks from
 // the last to the first (so the masked blocks come first and the rest run without a mask), keeping
 // the running softmax statistics and O in registers:
 //   S = Q K^T  ->  mask  ->  P = exp(scale (S - m)), rescale O and l  ->  O += P V
@@ -88,15 +88,16 @@ __device__ __forceinline__ void store_zero_tile(SmemTile& s, GmemTile&& g, int r
   store_smem_tile<Traits>(s, g, rows_left, head_dim);
 }
 
-// A query block that sees no key (causal with seqlen_q > seqlen_k): O = 0 and lse = +inf.
+// A query block that sees no key (causal with seqlen_q > seqlen_k, or seqlen_k = 0): O = 0 and lse = +inf.
 template <typename Traits, typename SmemO, typename GmemO>
 __device__ void store_empty_block(SmemO& sO, GmemO& gO, float* lse, FwdParams const& p, int rows_left) {
   store_zero_tile<Traits>(sO, gO, rows_left, p.head_dim);
   for (int row = threadIdx.x; row < min(rows_left, Traits::kBlockM); row += Traits::kNThreads) lse[row] = INFINITY;
 }
 
+// Query block m_block of one (sequence, head).
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams p) {
+__device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& seq, int head, int m_block) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -105,20 +106,16 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   extern __shared__ __align__(128) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
-  // The heaviest causal blocks (most keys) are scheduled first, so that the grid's tail is light.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
   const int head_k = head / (p.nheads / p.nheads_k);
   const int tid = threadIdx.x;
-  const int rows_left = p.seqlen_q - m_block * kBlockM;
+  const int rows_left = seq.seqlen_q - m_block * kBlockM;
 
-  Tensor gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, batch, head).block(m_block);
-  Tensor gO = head_rows<kBlockM, kHeadDim, Element>(p.o, batch, head).block(m_block);
-  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, batch, head_k);
-  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, batch, head_k);
+  Tensor gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, seq.batch, head, seq.q_row0).block(m_block);
+  Tensor gO = head_rows<kBlockM, kHeadDim, Element>(p.o, seq.batch, head, seq.q_row0).block(m_block);
+  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, seq.batch, head_k, seq.k_row0);
+  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, seq.batch, head_k, seq.k_row0);
   // gQ, gO: (kBlockM, kHeadDim); block(i) of gK, gV: (kBlockN, kHeadDim)
-  float* lse = p.lse + (int64_t(batch) * p.nheads + head) * p.seqlen_q + m_block * kBlockM;
+  float* lse = p.lse + seq.stats(p, head) + m_block * kBlockM;
 
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});    // (kBlockM, kHeadDim)
   Tensor sO = make_tensor(make_smem_ptr(smem.o.data()), typename Traits::SmemLayoutO{});    // (kBlockM, kHeadDim)
@@ -129,7 +126,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   // The key blocks to visit, downwards: first those from keys.unmasked_end on, which hold keys past seqlen_k or
   // past some row's last key, with a mask; then the rest without. mask_policy bounds no row on the left, so
   // keys.begin == keys.unmasked_begin (a window's left edge adds masked blocks at the end of the walk).
-  const BlockRange keys = mask_policy(p).key_blocks<kBlockM, kBlockN>(m_block);
+  const BlockRange keys = mask_policy(p, seq).key_blocks<kBlockM, kBlockN>(m_block);
   if (keys.empty()) {
     store_empty_block<Traits>(sO, gO, lse, p, rows_left);
     return;
@@ -151,7 +148,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     if (n_block < keys.end - 1 && p.head_dim == kHeadDim) {
       copy(gmem_copy, tSrc, tDst);
     } else {
-      copy_tile_bounded<true>(gmem_copy, tSrc, tDst, tKVcKV, p.seqlen_k - n_block * kBlockN, p.head_dim);
+      copy_tile_bounded<true>(gmem_copy, tSrc, tDst, tKVcKV, seq.seqlen_k - n_block * kBlockN, p.head_dim);
     }
     cp_async_commit();
   };
@@ -196,7 +193,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_thr_q, smem_copy_k, smem_thr_k);
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
     if constexpr (decltype(masked)::value) {
-      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p));
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p, seq));
     }
 
     cp_async_wait<0>();
@@ -225,6 +222,15 @@ __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams 
   }
   __syncthreads();  // sO aliases sQ
   store_acc_tile<Traits, kBlockM>(acc_o, tiled_mma, smem.o.data(), gO, rows_left, p.head_dim);
+}
+
+// One thread block per query block of each (sequence, head) (sequence.cuh): the heaviest causal blocks (most
+// keys) are scheduled first, so that the grid's tail is light.
+template <typename Traits, bool kVarlen>
+__global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams p) {
+  for_each_tile<kVarlen>(
+      p, gridDim.x - 1 - blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
+      [&](Sequence const& seq, int m_block) { fwd_block<Traits>(p, seq, blockIdx.y, m_block); });
 }
 
 }  // namespace cuteflash::sm80

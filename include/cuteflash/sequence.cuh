@@ -1,0 +1,68 @@
+// One sequence of a batch as a thread block sees it: its lengths and where its rows start in the operands
+// and in the row statistics. In a fixed-length batch every sequence has the params' lengths and the batch
+// strides place it; in a variable-length one (params.h) cu_seqlens_q and cu_seqlens_k do.
+//
+// The kernels are compiled for either kind of batch (kVarlen). The grids have a block per tile of the params'
+// lengths; in a variable-length batch those are the caller's bounds, and block x takes tiles x, x + gridDim.x,
+// ... of its sequence (for_each_tile), so that a sequence longer than the bound is still computed whole.
+#pragma once
+
+#include "cuteflash/params.h"
+
+namespace cuteflash {
+
+struct Sequence {
+  int batch;
+  int seqlen_q;
+  int seqlen_k;
+  int q_row0;  // its first row in q, o, dout and dq (0 in a fixed-length batch)
+  int k_row0;  // in k, v, dk and dv
+
+  // lse and D of row r of this sequence and head `head` are at stats(p, head) + r.
+  __device__ __forceinline__ int64_t stats(FwdParams const& p, int head) const {
+    return batch * p.stats_batch_stride + head * p.stats_head_stride + q_row0;
+  }
+};
+
+// An int of a variable-length batch's offsets, loaded anew at each call: a kernel that walks several tiles
+// rereads its sequence per tile rather than keeping it in registers through the tile's loops.
+__device__ __forceinline__ int load_offset(int const* ptr) {
+  int x;
+  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(x) : "l"(ptr));
+  return x;
+}
+
+// The sequence of batch index `batch`; kVarlen: of a variable-length batch. Its offsets are clamped to the
+// operands' rows (and each end to its start), so that malformed cu_seqlens cannot make a kernel reach
+// outside them.
+template <bool kVarlen>
+__device__ __forceinline__ Sequence sequence(FwdParams const& p, int batch) {
+  if constexpr (!kVarlen) {
+    return {batch, p.seqlen_q, p.seqlen_k, 0, 0};
+  } else {
+    const int q0 = min(max(load_offset(p.cu_seqlens_q + batch), 0), p.total_q);
+    const int q1 = min(max(load_offset(p.cu_seqlens_q + batch + 1), q0), p.total_q);
+    const int k0 = min(max(load_offset(p.cu_seqlens_k + batch), 0), p.total_k);
+    const int k1 = min(max(load_offset(p.cu_seqlens_k + batch + 1), k0), p.total_k);
+    return {batch, q1 - q0, k1 - k0, q0, k0};
+  }
+}
+
+// Calls body(seq, tile) for the tiles of its sequence seq (of batch index blockIdx.z) that the calling thread
+// block takes: `first` (< gridDim.x), then, in a variable-length batch, first + gridDim.x, ... below
+// tiles(seq), with a barrier between two. Nothing but the tile index stays live from one tile to the next.
+template <bool kVarlen, typename Tiles, typename Body>
+__device__ __forceinline__ void for_each_tile(FwdParams const& p, int first, Tiles const& tiles, Body const& body) {
+  if constexpr (!kVarlen) {
+    body(sequence<false>(p, blockIdx.z), first);  // the grid has a block per tile
+  } else {
+    for (int tile = first;; tile += gridDim.x) {
+      const Sequence seq = sequence<true>(p, blockIdx.z);
+      if (tile >= tiles(seq)) break;
+      if (tile >= int(gridDim.x)) __syncthreads();  // the previous tile's shared memory is free
+      body(seq, tile);
+    }
+  }
+}
+
+}  // namespace cuteflash
