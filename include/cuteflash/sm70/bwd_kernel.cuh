@@ -65,8 +65,8 @@ __device__ __forceinline__ float read_block_max(float const* warp_max) {
 // `row` holds the statistics of the calling thread's row of the element-wise phase (tid / kThreadsPerRow).
 template <typename Traits, typename SumAbsMax>
 __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename Traits::Buffers const& buf,
-                                 BwdParams const& p, Sequence const& seq, int m_block, int n_block,
-                                 RowStats const& row, int& ds_exp, SumAbsMax const& sum_abs_max) {
+                                 BwdParams const& p, Sequence const& seq, int m_block, int n_block, RowStats const& row,
+                                 int& ds_exp, SumAbsMax const& sum_abs_max) {
   constexpr int kLd = Traits::kLdQKV;
   constexpr int kCols = Traits::kCols;
   constexpr int kTilesN = Traits::kBlockN / 16;
@@ -409,7 +409,7 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
   };
 
   int which = 0;  // the region holding the step's Q and dO (always 0 without kPingPong)
-  const int row_in_block = tid / Traits::kThreadsPerRow;                     // the calling thread's in probs_and_grads
+  const int row_in_block = tid / Traits::kThreadsPerRow;  // the calling thread's in probs_and_grads
   RowStats row_ahead(p, row_stats, m_block_begin * kBlockM + row_in_block, seq.seqlen_q);  // kRegisters: the next
   for (int m_block = m_block_begin; m_block < m_block_end; ++m_block) {
     // No warp still reads the previous Q, dO, P, dS or its staging tile; with kPingPong, this step's Q

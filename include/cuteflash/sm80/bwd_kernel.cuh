@@ -359,7 +359,7 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});     // (kBlockN, kHeadDim)
   Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutVt{});    // (kHeadDim, kBlockN)
-  Tensor gdQ = dq_tile<kBlockM, kHeadDim, Element>(p, seq, head, m_block);                  // (kBlockM, kHeadDim)
+  Tensor gdQ = dq_tile<kBlockM, kHeadDim, Element>(p, seq, head, m_block);                    // (kBlockM, kHeadDim)
 
   // A block that sees no key (causal, seqlen_q > seqlen_k; seqlen_k = 0) has dQ = 0 and loads nothing: the
   // epilogue reuses sQ, which a Q copy still in flight (awaited only inside the key loop) would overwrite.

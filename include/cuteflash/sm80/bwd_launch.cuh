@@ -20,8 +20,7 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
       if (!p.deterministic) {
         dim3 grid_dq(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
         constexpr int smem = Traits::kBlockM * Traits::kHeadDim * int(sizeof(typename Traits::Element));
-        launch(&convert_dq_kernel<Traits, varlen()>, grid_dq, Traits::kNThreads, smem, stream, p,
-               "sm80 dQ conversion");
+        launch(&convert_dq_kernel<Traits, varlen()>, grid_dq, Traits::kNThreads, smem, stream, p, "sm80 dQ conversion");
       }
     });
   };
