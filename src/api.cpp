@@ -207,8 +207,9 @@ void bwd(std::string const& family_name, int dtype_code, Operand const& dout, Op
   p.dq_accum = reinterpret_cast<float*>(dq_accum);
   p.dq_accum_head_rows = layout.head_rows;
   p.dq_accum_batch_rows = layout.batch_rows;
-  if (needed > 0)
+  if (needed > 0) {  // the counts follow the regions
     p.dq_blocks_done = reinterpret_cast<int*>(p.dq_accum + nheads * layout.head_rows * round_up_head_dim(head_dim));
+  }
   p.d_rowsum = reinterpret_cast<float*>(d_rowsum);
   p.deterministic = deterministic;
   BwdFn launch =

@@ -102,7 +102,7 @@ struct BwdParams : FwdParams {
   int64_t dq_accum_head_rows;  // DqAccumLayout
   int dq_accum_batch_rows;
   int* dq_blocks_done;  // after the regions: batch * nheads counts
-  float* d_rowsum;      // D = rowsum(dO * O), (batch, nheads, seqlen_q) fp32, written by the preprocess kernel
+  float* d_rowsum;      // D = rowsum(dO * O) in fp32, laid out as lse, written by the preprocess kernel
   // dQ by a second kernel that walks the keys of each query block (bitwise reproducible), instead of
   // fp32 atomics from the dK/dV kernel (whose order varies between runs).
   bool deterministic;
