@@ -27,9 +27,18 @@ __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / 
 // threadIdx.x of a block of kNThreads threads, with that range stated: otherwise nvcc may not know that
 // the index is non-negative and divides it by powers of two as a signed number (the range saves 23 % of
 // the instructions of the sm70 backward's step at d=64).
-template <int kNThreads>
+// kFresh: read anew at each call, for a kernel that walks several tiles (sequence.cuh's for_each_tile): what
+// the compiler derives from the index (copy and shared-memory offsets) would otherwise be computed once before
+// the walk and held through each tile's main loop, which at the register limit (the sm80 forward at head dim
+// 128) turns into spills and register moves in that loop.
+template <int kNThreads, bool kFresh = false>
 __device__ __forceinline__ int thread_index() {
-  const int tid = threadIdx.x;
+  int tid;
+  if constexpr (kFresh) {
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  } else {
+    tid = threadIdx.x;
+  }
   __builtin_assume(tid >= 0 && tid < kNThreads);
   return tid;
 }

@@ -281,8 +281,8 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
   Tensor gdV = head_rows<kBlockN, kHeadDim, Element>(p.dv, seq.batch, head, seq.k_row0).block(n_block);
   __syncthreads();  // no warp reads K or V any more
   using Fwd = typename Traits::Fwd;
-  store_acc_tile<Fwd, kBlockN>(acc_dk, mma_dkv, smem.k.data(), gdK, keys_left, p.head_dim);
-  store_acc_tile<Fwd, kBlockN>(acc_dv, mma_dkv, smem.v.data(), gdV, keys_left, p.head_dim);
+  store_acc_tile<Fwd, kBlockN>(acc_dk, mma_dkv, smem.k.data(), gdK, keys_left, p.head_dim, threadIdx.x);
+  store_acc_tile<Fwd, kBlockN>(acc_dv, mma_dkv, smem.v.data(), gdV, keys_left, p.head_dim, threadIdx.x);
 }
 
 // One thread block per key block of each (sequence, head) (sequence.cuh).
@@ -314,7 +314,7 @@ __device__ __forceinline__ void convert_dq_block(BwdParams const& p, Sequence co
   extern __shared__ __align__(128) char smem_raw[];
   store_acc_tile<typename Traits::Fwd, kBlockM>(acc_dq, mma_dq, reinterpret_cast<Element*>(smem_raw),
                                                 dq_tile<kBlockM, kHeadDim, Element>(p, seq, head, m_block),
-                                                seq.seqlen_q - m_block * kBlockM, p.head_dim);
+                                                seq.seqlen_q - m_block * kBlockM, p.head_dim, threadIdx.x);
 }
 
 template <typename Traits, bool kVarlen>
@@ -365,7 +365,7 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
   // epilogue reuses sQ, which a Q copy still in flight (awaited only inside the key loop) would overwrite.
   const BlockRange keys = mask_policy(p, seq).key_blocks<kBlockM, kBlockN>(m_block);
   if (keys.empty()) {
-    store_zero_tile<Traits>(sQ, gdQ, rows_left, p.head_dim);
+    store_zero_tile<Traits>(sQ, gdQ, rows_left, p.head_dim, threadIdx.x);
     return;
   }
 
@@ -433,7 +433,7 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
   }
 
   __syncthreads();  // no warp reads Q any more (the loop ran at least once: every copy has landed)
-  store_acc_tile<Traits, kBlockM>(acc_dq, tiled_mma, smem.q.data(), gdQ, rows_left, p.head_dim);
+  store_acc_tile<Traits, kBlockM>(acc_dq, tiled_mma, smem.q.data(), gdQ, rows_left, p.head_dim, threadIdx.x);
 }
 
 template <typename Traits, bool kVarlen>

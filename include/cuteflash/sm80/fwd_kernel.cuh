@@ -51,11 +51,13 @@ __device__ __forceinline__ void gemm_rs(Acc& acc, RegA const& tCrA, RegB& tCrB, 
 }
 
 // Writes a (kRows, kHeadDim) tile from shared memory to global memory (rows < rows_left, columns <
-// head_dim), 16 bytes per thread. Traits: a FwdTraits with the block's thread count, for its copy.
+// head_dim), 16 bytes per thread (tid: the thread's index in its block). Traits: a FwdTraits with the block's
+// thread count, for its copy.
 template <typename Traits, typename SmemTile, typename GmemTile>
-__device__ __forceinline__ void store_smem_tile(SmemTile const& s, GmemTile&& g, int rows_left, int head_dim) {
+__device__ __forceinline__ void store_smem_tile(SmemTile const& s, GmemTile&& g, int rows_left, int head_dim,
+                                                unsigned tid) {
   typename Traits::GmemTiledCopyO gmem_copy;
-  auto thr = gmem_copy.get_thread_slice(threadIdx.x);
+  auto thr = gmem_copy.get_thread_slice(tid);
   Tensor coord = make_identity_tensor(make_shape(size<0>(s), size<1>(s)));  // (row, col) of each element
   copy_tile_bounded<false>(gmem_copy, thr.partition_S(s), thr.partition_D(g), thr.partition_S(coord), rows_left,
                            head_dim);
@@ -67,36 +69,36 @@ __device__ __forceinline__ void store_smem_tile(SmemTile const& s, GmemTile&& g,
 // with as many threads as tiled_mma, for its swizzled smem atom and copies. Ends with smem still in use.
 template <typename Traits, int kRows, typename Acc, typename TiledMma, typename Element, typename GmemTile>
 __device__ __forceinline__ void store_acc_tile(Acc const& acc, TiledMma const& tiled_mma, Element* smem, GmemTile&& g,
-                                               int rows_left, int head_dim) {
+                                               int rows_left, int head_dim, unsigned tid) {
   using SmemLayout =
       decltype(tile_to_shape(typename Traits::SmemLayoutAtom{}, Shape<Int<kRows>, Int<Traits::kHeadDim>>{}));
   Tensor s = make_tensor(make_smem_ptr(smem), SmemLayout{});
   auto smem_copy = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
-  auto smem_thr = smem_copy.get_thread_slice(threadIdx.x);
+  auto smem_thr = smem_copy.get_thread_slice(tid);
   Tensor r = convert_fragment<Element>(acc);
   copy(smem_copy, smem_thr.retile_S(r), smem_thr.partition_D(s));
   __syncthreads();
-  store_smem_tile<Traits>(s, g, rows_left, head_dim);
+  store_smem_tile<Traits>(s, g, rows_left, head_dim, tid);
 }
 
 // Writes zeros to a (kRows, kHeadDim) global tile through the free shared tile s (the output of a query
 // block that sees no key).
 template <typename Traits, typename SmemTile, typename GmemTile>
-__device__ __forceinline__ void store_zero_tile(SmemTile& s, GmemTile&& g, int rows_left, int head_dim) {
+__device__ __forceinline__ void store_zero_tile(SmemTile& s, GmemTile&& g, int rows_left, int head_dim, unsigned tid) {
   typename Traits::GmemTiledCopyO gmem_copy;
-  clear(gmem_copy.get_thread_slice(threadIdx.x).partition_S(s));  // the same elements store_smem_tile reads
-  store_smem_tile<Traits>(s, g, rows_left, head_dim);
+  clear(gmem_copy.get_thread_slice(tid).partition_S(s));  // the same elements store_smem_tile reads
+  store_smem_tile<Traits>(s, g, rows_left, head_dim, tid);
 }
 
 // A query block that sees no key (causal with seqlen_q > seqlen_k, or seqlen_k = 0): O = 0 and lse = +inf.
 template <typename Traits, typename SmemO, typename GmemO>
-__device__ void store_empty_block(SmemO& sO, GmemO& gO, float* lse, FwdParams const& p, int rows_left) {
-  store_zero_tile<Traits>(sO, gO, rows_left, p.head_dim);
-  for (int row = threadIdx.x; row < min(rows_left, Traits::kBlockM); row += Traits::kNThreads) lse[row] = INFINITY;
+__device__ void store_empty_block(SmemO& sO, GmemO& gO, float* lse, FwdParams const& p, int rows_left, unsigned tid) {
+  store_zero_tile<Traits>(sO, gO, rows_left, p.head_dim, tid);
+  for (int row = int(tid); row < min(rows_left, Traits::kBlockM); row += Traits::kNThreads) lse[row] = INFINITY;
 }
 
 // Query block m_block of one (sequence, head).
-template <typename Traits>
+template <typename Traits, bool kVarlen>
 __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& seq, int head, int m_block) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -107,7 +109,9 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
   const int head_k = head / (p.nheads / p.nheads_k);
-  const int tid = threadIdx.x;
+  // The thread's index, read where it is used (utils.cuh's kFresh where the kernel walks several tiles).
+  auto thread = [] { return kVarlen ? unsigned(thread_index<Traits::kNThreads, true>()) : threadIdx.x; };
+  const int tid = thread();
   const int rows_left = seq.seqlen_q - m_block * kBlockM;
 
   Tensor gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, seq.batch, head, seq.q_row0).block(m_block);
@@ -128,7 +132,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   // keys.begin == keys.unmasked_begin (a window's left edge adds masked blocks at the end of the walk).
   const BlockRange keys = mask_policy(p, seq).key_blocks<kBlockM, kBlockN>(m_block);
   if (keys.empty()) {
-    store_empty_block<Traits>(sO, gO, lse, p, rows_left);
+    store_empty_block<Traits>(sO, gO, lse, p, rows_left, thread());
     return;
   }
 
@@ -221,7 +225,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     }
   }
   __syncthreads();  // sO aliases sQ
-  store_acc_tile<Traits, kBlockM>(acc_o, tiled_mma, smem.o.data(), gO, rows_left, p.head_dim);
+  store_acc_tile<Traits, kBlockM>(acc_o, tiled_mma, smem.o.data(), gO, rows_left, p.head_dim, thread());
 }
 
 // One thread block per query block of each (sequence, head) (sequence.cuh): the heaviest causal blocks (most
@@ -230,7 +234,7 @@ template <typename Traits, bool kVarlen>
 __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams p) {
   for_each_tile<kVarlen>(
       p, gridDim.x - 1 - blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
-      [&](Sequence const& seq, int m_block) { fwd_block<Traits>(p, seq, blockIdx.y, m_block); });
+      [&](Sequence const& seq, int m_block) { fwd_block<Traits, kVarlen>(p, seq, blockIdx.y, m_block); });
 }
 
 }  // namespace cuteflash::sm80
