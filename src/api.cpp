@@ -58,12 +58,53 @@ struct Varlen {
   bool on() const { return cu_seqlens_q != 0 || cu_seqlens_k != 0; }
 };
 
+// The options that take the general kernels (params.h): flash-attn's window_size, softcap and ALiBi slopes (a
+// device pointer to fp32 slopes, per head or per (batch, head) with alibi_batch_stride nheads).
+struct Options {
+  int window_left = -1;
+  int window_right = -1;
+  float softcap = 0.f;
+  uintptr_t alibi_slopes = 0;
+  int alibi_batch_stride = 0;
+};
+
+// Fills p's options in a canonical form: causal bounds the right side at 0 by itself, a right bound of 0 alone
+// is the causal mask, and in a fixed-length batch a side that bounds no row is dropped, so that the general
+// kernels run only where an option changes the result.
+void fill_options(FwdParams& p, Options const& o, bool varlen) {
+  require(o.window_left >= -1 && o.window_right >= -1, "window_size entries must be -1 (unbounded) or >= 0");
+  require(o.softcap >= 0.f, "softcap must be >= 0 (0: off)");
+  require(o.alibi_slopes % 4 == 0, "alibi_slopes must be an aligned float32 buffer");
+  int left = o.window_left, right = p.causal ? -1 : o.window_right;
+  if (left < 0 && right == 0) {
+    p.causal = true;
+    right = -1;
+  }
+  if (!varlen) {
+    // Row i sees keys from i + seqlen_k - seqlen_q - left: all of them for every row when left >= seqlen_k; up to
+    // i + seqlen_k - seqlen_q + right: all for every row when right >= seqlen_q - 1.
+    if (left >= p.seqlen_k) left = -1;
+    if (right >= 0 && right >= p.seqlen_q - 1) right = -1;
+  }
+  p.window_left = left;
+  p.window_right = right;
+  // The softmax sees softcap * tanh(S * softmax_scale / softcap) (params.h).
+  if (o.softcap > 0.f) {
+    p.softcap = p.softmax_scale / o.softcap;
+    p.softmax_scale = o.softcap;
+    p.softmax_scale_log2 = o.softcap * 1.4426950408889634f;
+  }
+  p.alibi_slopes = reinterpret_cast<float const*>(o.alibi_slopes);
+  p.alibi_batch_stride = o.alibi_batch_stride;
+}
+
 // Checks the arguments shared by both directions (those the kernels would read out of bounds with) and
 // fills the forward's params. seqlen_q and seqlen_k: each sequence's lengths, or a variable-length batch's
 // bounds on them. Returns false when there is nothing to compute.
 bool fill_fwd_params(FwdParams& p, DType dtype, Operand const& q, Operand const& k, Operand const& v,
                      Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
-                     int head_dim, float softmax_scale, bool causal, bool fp16_correction, Varlen const& varlen) {
+                     int head_dim, float softmax_scale, bool causal, bool fp16_correction, Varlen const& varlen,
+                     Options const& options) {
   require(dtype == DType::kFloat16 || dtype == DType::kBFloat16, "unknown dtype code");
   require(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "sizes must be non-negative");
   require(seqlen_q < kMaxSeqlen && seqlen_k < kMaxSeqlen, "seqlen_q and seqlen_k must be below 2^30");
@@ -116,6 +157,7 @@ bool fill_fwd_params(FwdParams& p, DType dtype, Operand const& q, Operand const&
   p.softmax_scale_log2 = softmax_scale * 1.4426950408889634f;  // log2(e)
   p.causal = causal;
   p.fp16_correction = fp16_correction;
+  fill_options(p, options, varlen.on());
   return true;
 }
 
@@ -137,12 +179,14 @@ Fn require_kernel(Fn launch, Family family, char const* direction, int head_dim)
 void fwd(std::string const& family_name, int dtype_code, Operand const& q, Operand const& k, Operand const& v,
          Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
          int head_dim, float softmax_scale, bool causal, bool fp16_correction, uintptr_t stream, uintptr_t cu_seqlens_q,
-         uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k) {
+         uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k, int window_left, int window_right, float softcap,
+         uintptr_t alibi_slopes, int alibi_batch_stride) {
   const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
+  const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride};
   Family family = parse_family(family_name);
   FwdParams p{};
   if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
-                       softmax_scale, causal, fp16_correction, varlen)) {
+                       softmax_scale, causal, fp16_correction, varlen, options)) {
     return;
   }
   FwdFn launch =
@@ -172,12 +216,14 @@ void bwd(std::string const& family_name, int dtype_code, Operand const& dout, Op
          int64_t dq_accum_floats_given, uintptr_t d_rowsum, Operand const& dk, Operand const& dv, int batch, int nheads,
          int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale, bool causal, bool fp16_correction,
          bool deterministic, uintptr_t stream, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int64_t total_q,
-         int64_t total_k) {
+         int64_t total_k, int window_left, int window_right, float softcap, uintptr_t alibi_slopes,
+         int alibi_batch_stride) {
   const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
+  const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride};
   Family family = parse_family(family_name);
   BwdParams p{};
   if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
-                       softmax_scale, causal, fp16_correction, varlen) ||
+                       softmax_scale, causal, fp16_correction, varlen, options) ||
       (varlen.on() ? varlen.total_k : seqlen_k) == 0) {
     return;  // the caller zeroes the gradients
   }
@@ -257,7 +303,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
         py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("fp16_correction"), py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
-        py::arg("total_q") = 0, py::arg("total_k") = 0);
+        py::arg("total_q") = 0, py::arg("total_k") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("softcap") = 0.f, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0);
   m.def("bwd_workspace", &cuteflash::bwd_workspace, py::kw_only(), py::arg("family"), py::arg("head_dim"),
         py::arg("batch"), py::arg("nheads"), py::arg("seqlen_q"), py::arg("deterministic"), py::arg("total_q") = -1,
         "dq_accum's size in floats, and whether D may live in dq's memory, for a backward pass.");
@@ -267,7 +314,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"),
         py::arg("softmax_scale"), py::arg("causal"), py::arg("fp16_correction"), py::arg("deterministic"),
         py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0,
-        py::arg("total_k") = 0);
+        py::arg("total_k") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.f,
+        py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0);
   m.def(
       "family_runs", [](std::string const& family) { return cuteflash::family_runs(cuteflash::parse_family(family)); },
       py::arg("family"), "Whether the family's code in this module runs on the current CUDA device.");

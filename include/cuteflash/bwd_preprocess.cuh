@@ -57,7 +57,7 @@ __device__ __forceinline__ void bwd_preprocess_rows(BwdParams const& p, Sequence
   if (lane == 0) p.d_rowsum[seq.stats(p, head) + row] = sum;
 }
 
-template <typename Element, int kHeadDim, bool kVarlen>
+template <typename Element, int kHeadDim, Variant V>
 __global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_preprocess_kernel(const BwdParams p) {
   using Pre = Preprocess<Element, kHeadDim>;
   const int head = blockIdx.y;
@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_p
   auto tiles = [&](Sequence const& seq) {
     return ceil_div(p.deterministic ? seq.seqlen_q : dq_accum_rows(seq.seqlen_q), Pre::kRowsPerBlock);
   };
-  for_each_tile<kVarlen>(p, blockIdx.x, tiles, [&](Sequence const& seq, int tile) {
+  for_each_tile<V>(p, blockIdx.x, tiles, [&](Sequence const& seq, int tile) {
     bwd_preprocess_rows<Element, kHeadDim>(p, seq, head, tile * Pre::kRowsPerBlock + threadIdx.x / Pre::kThreadsPerRow);
   });
 }
@@ -117,8 +117,8 @@ void launch_bwd_preprocess(BwdParams const& p, cudaStream_t stream) {
   using Pre = Preprocess<Element, kHeadDim>;
   const int rows = p.deterministic ? p.seqlen_q : dq_accum_rows(p.seqlen_q);
   dim3 grid(ceil_div(rows, Pre::kRowsPerBlock), p.nheads, p.batch);
-  for_batch_kind(p, [&](auto varlen) {
-    launch(&bwd_preprocess_kernel<Element, kHeadDim, varlen()>, grid, Pre::kThreads, 0, stream, p,
+  for_batch_kind(p, [&](auto batch_kind) {
+    launch(&bwd_preprocess_kernel<Element, kHeadDim, batch_kind()>, grid, Pre::kThreads, 0, stream, p,
            "backward preprocess");
   });
 }

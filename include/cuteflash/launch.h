@@ -11,6 +11,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cuteflash/sequence.cuh"
 #include "cuteflash/utils.cuh"
 
 namespace cuteflash {
@@ -51,14 +52,34 @@ void launch_fitting(LaunchOne const& launch_one, char const* what, int head_dim)
   }
 }
 
-// Calls launch_for(std::bool_constant<kVarlen>{}) for the kind of batch of p (sequence.cuh), whose kernels
-// are compiled apart.
+template <Variant V>
+using VariantConstant = std::integral_constant<Variant, V>;
+
+// Calls launch_for(VariantConstant<V>{}) with V kFixed or kVarlen, the kind of batch of p: for the kernels
+// without options (the backward's preprocess and conversions).
 template <typename LaunchFor>
 void for_batch_kind(FwdParams const& p, LaunchFor const& launch_for) {
   if (p.cu_seqlens_q != nullptr) {
-    launch_for(std::true_type{});
+    launch_for(VariantConstant<Variant::kVarlen>{});
   } else {
-    launch_for(std::false_type{});
+    launch_for(VariantConstant<Variant::kFixed>{});
+  }
+}
+
+// Whether p sets an option that only the kGeneral and kSoftcap kernels apply (params.h).
+inline bool needs_general(FwdParams const& p) {
+  return p.window_left >= 0 || p.window_right >= 0 || p.softcap > 0.f || p.alibi_slopes != nullptr;
+}
+
+// Calls launch_for(VariantConstant<V>{}) with the variant (sequence.cuh) that computes p.
+template <typename LaunchFor>
+void for_variant(FwdParams const& p, LaunchFor const& launch_for) {
+  if (p.softcap > 0.f) {
+    launch_for(VariantConstant<Variant::kSoftcap>{});
+  } else if (needs_general(p)) {
+    launch_for(VariantConstant<Variant::kGeneral>{});
+  } else {
+    for_batch_kind(p, launch_for);
   }
 }
 

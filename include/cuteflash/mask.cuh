@@ -2,6 +2,9 @@
 // a score tile.
 #pragma once
 
+#include <cstddef>
+#include <type_traits>
+
 #include "cuteflash/mask.h"
 #include "cuteflash/params.h"
 #include "cuteflash/sequence.cuh"
@@ -9,10 +12,82 @@
 
 namespace cuteflash {
 
-// Which keys each query row of the sequence sees. Cheap to rebuild at each use: a copy kept across a
-// kernel's main loop holds registers that the loop needs (it spilled in the sm80 forward kernel).
-__device__ __forceinline__ MaskPolicy<false> mask_policy(FwdParams const& p, Sequence const& seq) {
-  return MaskPolicy<false>::make(seq.seqlen_q, seq.seqlen_k, p.causal);
+// Which keys each query row of the sequence sees, for a kernel of variant V (has_options: with windows).
+// Cheap to rebuild at each use: a copy kept across a kernel's main loop holds registers that the loop needs
+// (it spilled in the sm80 forward kernel).
+template <Variant V>
+__device__ __forceinline__ MaskPolicy<has_options(V)> mask_policy(FwdParams const& p, Sequence const& seq) {
+  if constexpr (has_options(V)) {
+    return MaskPolicy<true>::make(seq.seqlen_q, seq.seqlen_k, p.causal, p.window_left, p.window_right);
+  } else {
+    return MaskPolicy<false>::make(seq.seqlen_q, seq.seqlen_k, p.causal);
+  }
+}
+
+// tanh on the special function unit where there is one (sm75+; 2^-11 relative error, below fp16's rounding),
+// else from exp2 (Volta).
+__device__ __forceinline__ float tanh_fast(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  // tanh x = 1 - 2 / (e^2x + 1); e^2x overflowing to +inf gives 1, underflowing to 0 gives -1.
+  return 1.f - 2.f / (exp2_approx(x * 2.885390081777927f) + 1.f);
+#endif
+}
+
+// The general kernels' changes to a sequence's raw scores S = Q K^T before the mask and the softmax, in
+// flash-attn's order: softcap (params.h), then ALiBi.
+struct ScoreMods {
+  float softcap;  // the factor inside tanh; 0: none
+  float alibi;    // the head's ALiBi slope over the softmax's scale (0: none): S -= alibi |row + shift - key|
+  int shift;      // seqlen_k - seqlen_q
+
+  __device__ __forceinline__ static ScoreMods make(FwdParams const& p, Sequence const& seq, int head) {
+    float slope = 0.f;
+    if (p.alibi_slopes != nullptr) slope = p.alibi_slopes[seq.batch * p.alibi_batch_stride + head] / p.softmax_scale;
+    return {p.softcap, slope, seq.seqlen_k - seq.seqlen_q};
+  }
+
+  // tanh(S softcap), and 1 - tanh^2 for the backward pass.
+  __device__ __forceinline__ float cap(float s, float& dtanh) const {
+    s = tanh_fast(s * softcap);
+    dtanh = 1.f - s * s;
+    return s;
+  }
+  // S's ALiBi term at distance dist = row + shift - key from the diagonal, a float, which the callers form from
+  // a part per row or block and constants per element (an int-to-float conversion per score cost 5-15 %).
+  __device__ __forceinline__ float bias(float dist) const { return -alibi * fabsf(dist); }
+};
+
+// ScoreMods on each score of a (rows, cols) view s with coord giving (row, col) in the tile whose first row and
+// key are row0 and col0, for a kernel of variant V (sequence.cuh: the softcap only in kSoftcap); dtanh (like s,
+// or nullptr_t) receives the softcap's factors for the backward pass.
+template <Variant V, typename STensor, typename CoordTensor, typename DTanh>
+__device__ __forceinline__ void apply_score_mods(STensor& s, CoordTensor const& coord, int row0, int col0,
+                                                 ScoreMods const& mods, DTanh&& dtanh) {
+  if constexpr (V == Variant::kSoftcap) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(s); ++i) {
+      float unused;
+      if constexpr (std::is_same_v<std::decay_t<DTanh>, std::nullptr_t>) {
+        s(i) = mods.cap(s(i), unused);
+      } else {
+        s(i) = mods.cap(s(i), dtanh(i));
+      }
+    }
+  }
+  if (mods.alibi != 0.f) {
+    // A thread's columns are its first one plus constants: the distances are a float per row minus constants.
+    const int col_first = get<1>(coord(0, 0));
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(s); ++mi) {
+      const float dist0 = float(row0 + get<0>(coord(mi, 0)) + mods.shift - col0 - col_first);
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) += mods.bias(dist0 - float(get<1>(coord(mi, ni)) - col_first));
+    }
+  }
 }
 
 // s: scores in (rows, cols) view; coord: the matching (row, col) positions inside the tile.
@@ -30,6 +105,16 @@ __device__ __forceinline__ void apply_mask(STensor& s, CoordTensor const& coord,
       const int key = col0 + get<1>(coord(mi, ni));
       if ((mask.left_bounded() && key < begin) || key >= end) s(mi, ni) = -INFINITY;
     }
+  }
+}
+
+// dS (a (rows, cols) view) of scores that went through a softcap: times softcap (1 - tanh^2) (params.h).
+template <typename DSTensor, typename DTanh>
+__device__ __forceinline__ void apply_softcap_grad(DSTensor& ds, DTanh const& dtanh, float softcap) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(ds); ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(ds); ++ni) ds(mi, ni) *= softcap * dtanh(mi, ni);
   }
 }
 

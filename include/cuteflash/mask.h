@@ -45,10 +45,14 @@ struct MaskPolicy {
   int left;   // keys before the diagonal a row sees (kUnbounded: all)
   int right;  // keys after the diagonal a row sees (0: causal; kUnbounded: all)
 
+  // No window: the causal diagonal at most.
+  CUTEFLASH_HOST_DEVICE static MaskPolicy make(int seqlen_q, int seqlen_k, bool causal) {
+    return {seqlen_q, seqlen_k, kUnbounded, causal ? 0 : kUnbounded};
+  }
   // window_left, window_right: flash-attn's window_size, -1 for an unbounded side; causal sets right to 0.
-  // Without kWindow the window must be (-1, -1).
-  CUTEFLASH_HOST_DEVICE static MaskPolicy make(int seqlen_q, int seqlen_k, bool causal, int window_left = -1,
-                                               int window_right = -1) {
+  CUTEFLASH_HOST_DEVICE static MaskPolicy make(int seqlen_q, int seqlen_k, bool causal, int window_left,
+                                               int window_right) {
+    static_assert(kWindow, "a policy without kWindow cannot bound a row on the left: use MaskPolicy<true>");
     int right = causal ? 0 : window_right < 0 ? kUnbounded : window_right;
     return {seqlen_q, seqlen_k, window_left < 0 ? kUnbounded : window_left, right};
   }

@@ -59,10 +59,22 @@ struct FwdParams {
   int total_q;  // rows of q and k (variable-length batches): the kernels clamp the offsets to them
   int total_k;
 
-  float softmax_scale;       // applied to QK^T, 1/sqrt(head_dim) by default
+  float softmax_scale;       // applied to QK^T, 1/sqrt(head_dim) by default (softcap: see there)
   float softmax_scale_log2;  // softmax_scale * log2(e): the kernels use exp2
   bool causal;               // bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q (mask.h)
-  bool fp16_correction;      // sm70: P (and dS) as hi + 2^-11 lo in their products (error-corrected fp16)
+
+  // Options that only the general kernels (sequence.cuh's Variant) apply; launch.h picks those when one is set.
+  int window_left;   // flash-attn's window_size (mask.h): keys before / after the diagonal a row sees,
+  int window_right;  // -1 for an unbounded side
+  // Softcapping (softcap > 0): the scores S become tanh(S * softcap) and softmax_scale is flash-attn's softcap,
+  // so that the softmax sees its softcap * tanh(S * scale / softcap); the gradient of S then carries
+  // softmax_scale * softcap (the caller's scale) and 1 - tanh^2.
+  float softcap;
+  // ALiBi: fp32 slopes at alibi_slopes[batch * alibi_batch_stride + head] (a stride of 0: per head); the
+  // scores of row i, key j get -slope |i + seqlen_k - seqlen_q - j| added after the softmax's scale. Null: none.
+  float const* alibi_slopes;
+  int alibi_batch_stride;
+  bool fp16_correction;  // sm70: P (and dS) as hi + 2^-11 lo in their products (error-corrected fp16)
 };
 
 // The backward pass's fp32 workspace dq_accum, which sums dQ = dS K with atomics (none for a deterministic

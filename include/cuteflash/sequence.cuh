@@ -2,14 +2,26 @@
 // and in the row statistics. In a fixed-length batch every sequence has the params' lengths and the batch
 // strides place it; in a variable-length one (params.h) cu_seqlens_q and cu_seqlens_k do.
 //
-// The kernels are compiled for either kind of batch (kVarlen). The grids have a block per tile of the params'
-// lengths; in a variable-length batch those are the caller's bounds, and block x takes tiles x, x + gridDim.x,
-// ... of its sequence (for_each_tile), so that a sequence longer than the bound is still computed whole.
+// The kernels are compiled per Variant (below). The grids have a block per tile of the params' lengths; in a
+// variable-length batch those are the caller's bounds, and block x takes tiles x, x + gridDim.x, ... of its
+// sequence (for_each_tile), so that a sequence longer than the bound is still computed whole.
 #pragma once
 
 #include "cuteflash/params.h"
 
 namespace cuteflash {
+
+// What a kernel is compiled for; the launchers pick one per call (launch.h's for_variant):
+//   kFixed    a fixed-length batch with at most a causal mask: the common case's code and nothing more;
+//   kVarlen   a variable-length batch (cu_seqlens), the same masks;
+//   kGeneral  either kind of batch (told apart at run time) with the params' other options: sliding windows
+//             and ALiBi, each applied only where the params set it;
+//   kSoftcap  kGeneral with softcapping as well. Apart because nvcc predicates an option's work per score
+//             rather than branching around it, so that a kernel with the softcap's tanh pays for it always.
+enum class Variant { kFixed, kVarlen, kGeneral, kSoftcap };
+
+// Whether kernels of variant v apply the params' options (windows, ALiBi; softcap where v is kSoftcap).
+constexpr bool has_options(Variant v) { return v == Variant::kGeneral || v == Variant::kSoftcap; }
 
 struct Sequence {
   int batch;
@@ -32,13 +44,15 @@ __device__ __forceinline__ int load_offset(int const* ptr) {
   return x;
 }
 
-// The sequence of batch index `batch`; kVarlen: of a variable-length batch. Its offsets are clamped to the
-// operands' rows (and each end to its start), so that malformed cu_seqlens cannot make a kernel reach
+// The sequence of batch index `batch` for a kernel of variant V. A variable-length batch's offsets are clamped
+// to the operands' rows (and each end to its start), so that malformed cu_seqlens cannot make a kernel reach
 // outside them.
-template <bool kVarlen>
+template <Variant V>
 __device__ __forceinline__ Sequence sequence(FwdParams const& p, int batch) {
-  if constexpr (!kVarlen) {
+  if constexpr (V == Variant::kFixed) {
     return {batch, p.seqlen_q, p.seqlen_k, 0, 0};
+  } else if constexpr (has_options(V)) {
+    return p.cu_seqlens_q != nullptr ? sequence<Variant::kVarlen>(p, batch) : sequence<Variant::kFixed>(p, batch);
   } else {
     const int q0 = min(max(load_offset(p.cu_seqlens_q + batch), 0), p.total_q);
     const int q1 = min(max(load_offset(p.cu_seqlens_q + batch + 1), q0), p.total_q);
@@ -49,15 +63,15 @@ __device__ __forceinline__ Sequence sequence(FwdParams const& p, int batch) {
 }
 
 // Calls body(seq, tile) for the tiles of its sequence seq (of batch index blockIdx.z) that the calling thread
-// block takes: `first` (< gridDim.x), then, in a variable-length batch, first + gridDim.x, ... below
+// block takes: `first` (< gridDim.x), then, but in a kFixed kernel, first + gridDim.x, ... below
 // tiles(seq), with a barrier between two. Nothing but the tile index stays live from one tile to the next.
-template <bool kVarlen, typename Tiles, typename Body>
+template <Variant V, typename Tiles, typename Body>
 __device__ __forceinline__ void for_each_tile(FwdParams const& p, int first, Tiles const& tiles, Body const& body) {
-  if constexpr (!kVarlen) {
-    body(sequence<false>(p, blockIdx.z), first);  // the grid has a block per tile
+  if constexpr (V == Variant::kFixed) {
+    body(sequence<V>(p, blockIdx.z), first);  // the grid has a block per tile
   } else {
     for (int tile = first;; tile += gridDim.x) {
-      const Sequence seq = sequence<true>(p, blockIdx.z);
+      const Sequence seq = sequence<V>(p, blockIdx.z);
       if (tile >= tiles(seq)) break;
       if (tile >= int(gridDim.x)) __syncthreads();  // the previous tile's shared memory is free
       body(seq, tile);

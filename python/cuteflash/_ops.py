@@ -87,7 +87,22 @@ def _lse_shape(q: torch.Tensor, varlen: Varlen | None) -> tuple[int, ...]:
     return (q.shape[1], q.shape[0]) if varlen is not None else (q.shape[0], q.shape[2], q.shape[1])
 
 
-def _problem(family: str, q, k, v, out, lse, softmax_scale: float, causal: bool, varlen: Varlen | None) -> dict:
+class Options(NamedTuple):
+    """The options that take the general kernels: flash-attn's window_size (-1: an unbounded side), softcap
+    (0.0: off) and ALiBi slopes (fp32, (nheads,) or (batch, nheads), contiguous; None: off)."""
+
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+
+
+NO_OPTIONS = Options()
+
+
+def _problem(
+    family: str, q, k, v, out, lse, softmax_scale: float, causal: bool, varlen: Varlen | None, options: Options
+) -> dict:
     """The keyword arguments that _C.fwd and _C.bwd share: the problem, and the stream it runs on."""
     nheads, head_dim = q.shape[-2:]
     nheads_k = k.shape[-2]
@@ -106,7 +121,13 @@ def _problem(family: str, q, k, v, out, lse, softmax_scale: float, causal: bool,
         causal=causal,
         fp16_correction=_fp16_correction(family),
         stream=torch.cuda.current_stream(q.device).cuda_stream,
+        window_left=options.window_left,
+        window_right=options.window_right,
+        softcap=options.softcap,
     )
+    slopes = options.alibi_slopes
+    if slopes is not None:
+        problem.update(alibi_slopes=slopes.data_ptr(), alibi_batch_stride=slopes.shape[-1] if slopes.dim() == 2 else 0)
     if varlen is None:
         return dict(problem, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1])
     return dict(
@@ -127,7 +148,13 @@ def _no_keys(q: torch.Tensor, k: torch.Tensor, varlen: Varlen | None) -> bool:
 
 
 def fwd_impl(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, varlen: Varlen | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    varlen: Varlen | None = None,
+    options: Options = NO_OPTIONS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on unpacked q, k, v: returns out (like q) and the fp32 log-sum-exp (_lse_shape)."""
     family = select_family(q.device)
@@ -138,7 +165,8 @@ def fwd_impl(
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     if _no_keys(q, k, varlen):  # every row is empty
         return out.zero_(), lse.fill_(float("inf"))
-    _launch(q.device, compiled_module().fwd, **_problem(family, q, k, v, out, lse, softmax_scale, causal, varlen))
+    problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options)
+    _launch(q.device, compiled_module().fwd, **problem)
     return out, lse
 
 
@@ -153,30 +181,33 @@ def fwd(
     max_seqlen_k: int,
     softmax_scale: float,
     causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel as an operator that torch.compile and autograd see. q, k, v may be packed
-    (unpack); cu_seqlens_q None: a fixed-length batch, whose max_seqlen_q/k are ignored. `deterministic`
-    is kept for the backward pass."""
+    (unpack); cu_seqlens_q None: a fixed-length batch, whose max_seqlen_q/k are ignored; the options as
+    Options. `deterministic` is kept for the backward pass."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return fwd_impl(*unpack(q, k, v), softmax_scale, causal, varlen)
+    options = Options(window_left, window_right, softcap, alibi_slopes)
+    return fwd_impl(*unpack(q, k, v), softmax_scale, causal, varlen, options)
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic):
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *rest):
     """The op under torch.compile or when a gradient is wanted; otherwise the implementation directly,
-    which skips the dispatcher's cost per call."""
+    which skips the dispatcher's cost per call. rest: the options (Options' fields), then deterministic."""
     if torch.compiler.is_compiling() or (
         torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v))
     ):
-        return fwd(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic
-        )
+        return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *rest)
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return fwd_impl(*unpack(q, k, v), softmax_scale, causal, varlen)
+    return fwd_impl(*unpack(q, k, v), softmax_scale, causal, varlen, Options(*rest[:-1]))
 
 
 @fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *rest):
     q = unpack(q, k, v)[0]
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
@@ -196,6 +227,7 @@ def bwd_into(
     causal: bool,
     deterministic: bool,
     varlen: Varlen | None = None,
+    options: Options = NO_OPTIONS,
 ) -> None:
     """Attention backward into dq, dk, dv (shaped like q, k, v; views of a packed gradient are written in
     place). With deterministic, dQ comes from a second kernel instead of fp32 atomics: bitwise
@@ -207,7 +239,7 @@ def bwd_into(
             "detach the inputs, or rebuild with the backward pass"
         )
     dout, q, k, v, out = (_kernel_operand(t) for t in (dout, q, k, v, out))
-    problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen)
+    problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options)
     nheads, head_dim = q.shape[-2:]
     nheads_k = k.shape[-2]
     if _no_keys(q, k, varlen) or q.numel() == 0:  # no query or no key: every gradient is zero
@@ -278,6 +310,10 @@ def bwd(
     max_seqlen_k: int,
     softmax_scale: float,
     causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
     deterministic: bool,
 ) -> list[torch.Tensor]:
     """The gradients of the forward op's inputs that are given (q, k, v, or packed: one per input), as
@@ -285,27 +321,31 @@ def bwd(
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v) if t is not None]
     dq, dk, dv = unpack(*grads, *[None] * (3 - len(grads)))
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    bwd_into(dq, dk, dv, dout, *unpack(q, k, v), out, lse, softmax_scale, causal, deterministic, varlen)
+    options = Options(window_left, window_right, softcap, alibi_slopes)
+    bwd_into(dq, dk, dv, dout, *unpack(q, k, v), out, lse, softmax_scale, causal, deterministic, varlen, options)
     return grads
 
 
 @bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, det):
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *rest):
     return [t.new_empty(t.shape) for t in (q, k, v) if t is not None]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *rest = inputs
+    *options, deterministic = rest
+    options = Options(*options)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, options.alibi_slopes)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.window_left, ctx.window_right, ctx.softcap = options.window_left, options.window_right, options.softcap
     ctx.mark_non_differentiable(lse)  # as flash-attn: the log-sum-exp is returned for inspection only
     ctx.set_materialize_grads(False)  # lse's gradient stays None instead of a tensor of zeros
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
     grads = iter(
         bwd(
             grad_out,
@@ -320,11 +360,15 @@ def _backward(ctx, grad_out, grad_lse):
             ctx.max_seqlen_k,
             ctx.softmax_scale,
             ctx.causal,
+            ctx.window_left,
+            ctx.window_right,
+            ctx.softcap,
+            alibi_slopes,
             ctx.deterministic,
         )
     )
     dq, dk, dv = (next(grads) if t is not None else None for t in (q, k, v))
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, *[None] * 11
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -34,6 +34,7 @@ SUITES = {
     # shapes that fill a large GPU (16k tokens or more per call): the kernels decide the speed, not the host
     "baselines": [(16, 16, 1024, 64), (8, 16, 2048, 64), (4, 16, 4096, 128), (2, 16, 8192, 128), (1, 32, 4096, 256)],
     "varlen": [],  # VARLEN_MIXED and VARLEN_EQUAL only
+    "options": [],  # OPTIONS_SHAPE only
 }
 QUICK_SHAPES = [(1, 4, 256, 64), (1, 16, 1024, 128)]
 # Variable-length batches (flash_attn_varlen_func), causal. "mixed": lengths drawn uniformly from 128-4096 up
@@ -42,6 +43,10 @@ QUICK_SHAPES = [(1, 4, 256, 64), (1, 16, 1024, 128)]
 # The default suite runs the mixed batch; --suite varlen all of them.
 VARLEN_MIXED = (65536, 128, 4096, 16, 128)  # tokens, shortest, longest, heads, head dim
 VARLEN_EQUAL = [(8, 16, 2048, 64), (2, 16, 8192, 128)]  # (batch, heads, seqlen, headdim)
+# The options (flash_attn_func's window_size, softcap, alibi_slopes) on one causal shape, each beside the same
+# call without it: a sliding window skips the key blocks outside it, softcap and ALiBi change every score.
+OPTIONS_SHAPE = (1, 16, 16384, 128)  # (batch, heads, seqlen, headdim)
+OPTIONS = {"window (1024, 0)": {"window_size": (1024, 0)}, "softcap 30": {"softcap": 30.0}, "alibi": {}}
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")  # math: plain PyTorch attention
 FAST_SDPA = SDPA_BACKENDS[:3]
 IMPLS = ("cuteflash",) + SDPA_BACKENDS
@@ -377,18 +382,20 @@ def _varlen_lengths(tokens: int, shortest: int, longest: int) -> list[int]:
     return lengths
 
 
-def _time_directions(res: VarlenResult, name: str, fwd, inputs, args) -> None:
-    """Times fwd (and its backward) on each input set under name; None where it does not run."""
+def _time_directions(res, name: str, fwd, inputs, args) -> None:
+    """Times fwd (and its backward) on each input set under name, into res.ms (res: a VarlenResult, or the
+    dict itself); None where it does not run."""
     import torch
 
+    ms = res if isinstance(res, dict) else res.ms
     for direction in DIRECTIONS[:1] if args.forward_only else DIRECTIONS:
         try:
             fns = [(lambda x=x: fwd(*x)) if direction == "fwd" else _backward_call(fwd, x) for x in inputs]
-            res.ms.setdefault(direction, {})[name] = _time_ms(fns, args.repeats)
+            ms.setdefault(direction, {})[name] = _time_ms(fns, args.repeats)
         except (RuntimeError, NotImplementedError, torch.cuda.OutOfMemoryError):
             if name.startswith("cuteflash"):
                 raise
-            res.ms.setdefault(direction, {})[name] = None
+            ms.setdefault(direction, {})[name] = None
         torch.cuda.empty_cache()
 
 
@@ -454,11 +461,38 @@ def run_varlen(args, dtype_name: str, equal: bool) -> list[VarlenResult]:
     return results
 
 
-def varlen_table(results: list[VarlenResult]) -> list[list[str]]:
-    rows = [["case", "dtype", "dir", "varlen ms", "peer", "peer ms", "speedup"]]
+def run_options(args, dtype_name: str) -> list[VarlenResult]:
+    """Each of OPTIONS on OPTIONS_SHAPE, causal, beside flash_attn_func without it."""
+    import torch
+
+    from . import flash_attn_func
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+    batch, heads, seqlen, head_dim = OPTIONS_SHAPE
+    qkv = [torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype) for _ in range(3)]
+    slopes = torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device="cuda")
+    plain = {}
+    _time_directions(plain, "cuteflash plain", lambda q, k, v: flash_attn_func(q, k, v, causal=True), [qkv], args)
+    results = []
+    for name, options in OPTIONS.items():
+        options = dict(options, alibi_slopes=slopes) if name == "alibi" else options
+        res = VarlenResult(f"{name}, {batch}x{heads}x{seqlen}x{head_dim}", dtype_name, peers=("cuteflash plain",))
+
+        def with_option(q, k, v, options=options):
+            return flash_attn_func(q, k, v, causal=True, **options)
+
+        _time_directions(res, "cuteflash option", with_option, [qkv], args)
+        for direction, times in plain.items():
+            res.ms[direction].update(times)
+        results.append(res)
+    return results
+
+
+def varlen_table(results: list[VarlenResult], ours_key: str = "cuteflash varlen") -> list[list[str]]:
+    rows = [["case", "dtype", "dir", f"{ours_key.split()[-1]} ms", "peer", "peer ms", "speedup"]]
     for r in results:
         for d, times in r.ms.items():
-            ours = times.get("cuteflash varlen")
+            ours = times.get(ours_key)
             for peer in r.peers:
                 theirs = times.get(peer)
                 ratio = f"{theirs / ours:.2f}x" if ours and theirs else "-"
@@ -582,11 +616,18 @@ def plot(results: list[Result], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write_outputs(results: list[Result], args, device: dict, varlen: list[VarlenResult] = ()) -> None:
+def write_outputs(
+    results: list[Result], args, device: dict, varlen: list[VarlenResult] = (), options: list[VarlenResult] = ()
+) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"device": device, "results": [asdict(r) for r in results], "varlen": [asdict(r) for r in varlen]},
+                {
+                    "device": device,
+                    "results": [asdict(r) for r in results],
+                    "varlen": [asdict(r) for r in varlen],
+                    "options": [asdict(r) for r in options],
+                },
                 f,
                 indent=1,
             )
@@ -688,7 +729,8 @@ def main(argv=None) -> int:
     bf16_ok = family == "sm80" and "bfloat16" in built["dtypes"]
     cases = build_cases(args, bf16_ok=bf16_ok, head_dims_ok=built["head_dims"])
     varlen_runs = not args.quick and args.suite in ("default", "varlen") and VARLEN_MIXED[4] in built["head_dims"]
-    if not cases and not varlen_runs:
+    options_runs = args.suite == "options" and OPTIONS_SHAPE[3] in built["head_dims"]
+    if not cases and not varlen_runs and not options_runs:
         print("cuteflash.bench: this build serves none of the requested head dims", file=sys.stderr)
         return 2
     results = [run_case(case, args) for case in _progress(cases, len(cases))]
@@ -696,13 +738,20 @@ def main(argv=None) -> int:
     if varlen_runs:
         for dtype in args.dtype or (["fp16", "bf16"] if bf16_ok else ["fp16"]):
             varlen += run_varlen(args, dtype, equal=args.suite == "varlen")
+    options = []
+    if options_runs:
+        for dtype in args.dtype or (["fp16", "bf16"] if bf16_ok else ["fp16"]):
+            options += run_options(args, dtype)
     if results:
         print_tables(results)
     if varlen:
         print(
             "\n" + format_rows("Variable-length batches, causal (speedup: peer ms / varlen ms)", varlen_table(varlen))
         )
-    write_outputs(results, args, device, varlen)
+    if options:
+        title = "Options, causal (speedup: ms without the option / ms with it)"
+        print("\n" + format_rows(title, varlen_table(options, "cuteflash option")))
+    write_outputs(results, args, device, varlen, options)
     if args.plot and results:
         plot(results, args.plot)
     if results:

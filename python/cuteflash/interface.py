@@ -17,18 +17,44 @@ MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _check_unsupported(dropout_p, window_size, softcap, alibi_slopes) -> None:
+def _check_dropout(dropout_p) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented in cuteflash yet; pass 0.0")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(
-            f"window_size={tuple(window_size)}: sliding-window attention is not implemented "
-            "in cuteflash yet; pass (-1, -1)"
-        )
-    if softcap != 0.0:
-        raise NotImplementedError(f"softcap={softcap}: softcapping is not implemented in cuteflash yet; pass 0.0")
+
+
+def _check_options(q, batch: int, window_size, softcap, alibi_slopes) -> tuple:
+    """window_size as two ints (a negative side: unbounded, -1), softcap as a float >= 0, and alibi_slopes
+    (fp32, (nheads,) or (batch, nheads), on q's device) checked; returns them as _ops.fwd takes them."""
+    try:
+        left, right = (operator.index(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}"
+        ) from None
+    window = tuple(max(w, -1) for w in (left, right))
+    if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0.0: off), got {softcap!r}")
     if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not implemented in cuteflash yet; pass None")
+        nheads = q.shape[-2]
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(
+                f"alibi_slopes has dtype {alibi_slopes.dtype}; it must be torch.float32: convert with "
+                "alibi_slopes.float()"
+            )
+        if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+            raise ValueError(
+                f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch_size, nheads) = ({batch}, {nheads}), "
+                f"got {tuple(alibi_slopes.shape)}"
+            )
+        if alibi_slopes.device != q.device:
+            raise ValueError(
+                f"alibi_slopes is on {alibi_slopes.device} but q is on {q.device}; move it with "
+                "alibi_slopes.to(q.device)"
+            )
+        alibi_slopes = alibi_slopes.contiguous()
+    return (*window, float(softcap), alibi_slopes)
 
 
 def _check_qkv(q, k, v, varlen: bool) -> None:
@@ -119,13 +145,15 @@ def _attention(
 ):
     """q, k, v as _ops.unpack reads them (k None: q is qkv packed; v None: k is kv packed); varlen: None, or
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
-    _check_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    _check_dropout(dropout_p)
     if softmax_scale is not None and not (
         isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0
     ):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     _check_qkv(*_ops.unpack(q, k, v), varlen is not None)
     varlen = (None, None, 0, 0) if varlen is None else _check_varlen(q, *varlen)
+    batch = q.shape[0] if varlen[0] is None else varlen[0].numel() - 1
+    options = _check_options(_ops.unpack(q, k, v)[0], batch, window_size, softcap, alibi_slopes)
     head_dim = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
@@ -134,7 +162,7 @@ def _attention(
     pad = -head_dim % 8
     if pad:
         q, k, v = (None if t is None else F.pad(t, (0, pad)) for t in (q, k, v))
-    out, lse = _ops.forward(q, k, v, *varlen, float(softmax_scale), bool(causal), bool(deterministic))
+    out, lse = _ops.forward(q, k, v, *varlen, float(softmax_scale), bool(causal), *options, bool(deterministic))
     if pad:
         out = out[..., :head_dim]
     return (out, lse, None) if return_attn_probs else out
@@ -185,7 +213,14 @@ def flash_attn_func(
         dropout_p: float. Dropout probability; only 0.0 is implemented.
         softmax_scale: float. Scaling of QK^T before the softmax; default 1 / sqrt(headdim).
         causal: bool. Whether to apply the (bottom-right aligned) causal mask.
-        window_size, softcap, alibi_slopes: not implemented yet; only the defaults are accepted.
+        window_size: (left, right). Sliding-window attention: query i keeps key j when
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 leaves a side
+            unbounded, and causal=True sets right to 0. Key blocks outside the window are skipped, so the
+            cost grows with the window rather than with seqlen_k.
+        softcap: float. When > 0, the scores become softcap * tanh(scores / softcap) before the softmax
+            (scores = QK^T * softmax_scale), as in Gemma 2; 0.0 turns it off.
+        alibi_slopes: (nheads,) or (batch_size, nheads), float32, or None. ALiBi: adds
+            -slope * |i + seqlen_k - seqlen_q - j| to the score of query i and key j (after the softcap).
         deterministic: bool. Whether the backward pass must be bitwise reproducible: dQ then comes from a
             second kernel that walks the keys of each query block in a fixed order, instead of fp32
             atomics whose order varies between runs (slower: the backward pass recomputes S and dP).

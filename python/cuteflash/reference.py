@@ -15,13 +15,42 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     return j > i + (seqlen_k - seqlen_q)
 
 
-def attention_ref(q, k, v, softmax_scale=None, causal=False, compute_dtype=torch.float64):
+def window_mask(seqlen_q: int, seqlen_k: int, window_size, causal: bool = False, device=None) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool, True where masked: query i sees key j when
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (a negative side: unbounded;
+    causal: right = 0)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1) + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    masked = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        masked |= j < i - left
+    if right >= 0:
+        masked |= j > i + right
+    return masked
+
+
+def attention_ref(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    compute_dtype=torch.float64,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+):
     """Attention in flash-attn's layout, computed in ``compute_dtype``.
 
     q (b, s_q, h, d), k and v (b, s_k, h_k, d) with h a multiple of h_k. Returns (out, lse): out in
     ``compute_dtype`` (b, s_q, h, d) and the log-sum-exp (b, h, s_q) in float32 or float64. A query that
     sees no key gets out = 0 and lse = +inf, as the kernels. ``compute_dtype=q.dtype`` gives PyTorch's
-    own error in that dtype, the yardstick of the tests.
+    own error in that dtype, the yardstick of the tests. window_size, softcap and alibi_slopes ((h,) or
+    (b, h)) as flash_attn_func: the scores softcap * tanh(scores / softcap), then the ALiBi bias
+    -slope * |i + s_k - s_q - j|, then the mask.
     """
     head_dim = q.shape[-1]
     scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
@@ -30,9 +59,19 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, compute_dtype=torch
     if groups > 1:
         k = k.repeat_interleave(groups, dim=2)
         v = v.repeat_interleave(groups, dim=2)
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        scores = scores.masked_fill(causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(compute_dtype)
+        slopes = slopes.view(1, -1, 1, 1) if slopes.dim() == 1 else slopes.view(slopes.shape[0], -1, 1, 1)
+        i = torch.arange(seqlen_q, device=q.device).unsqueeze(1) + (seqlen_k - seqlen_q)
+        j = torch.arange(seqlen_k, device=q.device).unsqueeze(0)
+        scores = scores - slopes * (i - j).abs().to(compute_dtype)
+    if causal or tuple(window_size) != (-1, -1):
+        mask = window_mask(seqlen_q, seqlen_k, window_size, causal, q.device)
+        scores = scores.masked_fill(mask, float("-inf"))
     lse = torch.logsumexp(scores.float() if compute_dtype != torch.float64 else scores, dim=-1)
     probs = torch.softmax(scores, dim=-1)
     empty = torch.isneginf(lse)  # rows with every key masked: softmax gives NaN there

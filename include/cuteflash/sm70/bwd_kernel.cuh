@@ -63,7 +63,7 @@ __device__ __forceinline__ float read_block_max(float const* warp_max) {
 // Returns the factor (new s / old s, or 1) by which sums kept in units of s must be rescaled before this
 // step's dS is added; sum_abs_max() gives the largest |element| of the calling thread's share of them.
 // `row` holds the statistics of the calling thread's row of the element-wise phase (tid / kThreadsPerRow).
-template <typename Traits, typename SumAbsMax>
+template <typename Traits, Variant V, typename SumAbsMax>
 __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename Traits::Buffers const& buf,
                                  BwdParams const& p, Sequence const& seq, int m_block, int n_block, RowStats const& row,
                                  int& ds_exp, SumAbsMax const& sum_abs_max) {
@@ -116,7 +116,8 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   const bool swap = (tid % Traits::kThreadsPerRow) >= 4;
   const int q_row = m_block * Traits::kBlockM + r;
   const int key0 = n_block * Traits::kBlockN + c0;
-  const int key_limit = mask_policy(p, seq).key_end(q_row);  // my row sees the keys below (no left bound)
+  const int key_limit = mask_policy<V>(p, seq).key_end(q_row);    // my row sees keys [key_first, key_limit)
+  const int key_first = mask_policy<V>(p, seq).key_begin(q_row);  // 0 but with has_options(V)
   const int mine = r * Traits::kLdS + c0;
   const int mine_p = r * Traits::kLdP + c0;
   auto* p_hi = reinterpret_cast<__half*>(smem.p_hi.data()) + mine_p;
@@ -125,20 +126,42 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   auto* ds_lo = reinterpret_cast<__half*>(smem.ds_lo.data()) + mine_p;
 
   // P and dS of the thread's kCols elements, from S and dP in the scratch (again, on a rare path).
-  const int block_key_limit = mask_policy(p, seq).key_end(m_block * Traits::kBlockM);  // the block's first row's
+  const int block_key_limit = mask_policy<V>(p, seq).key_end(m_block * Traits::kBlockM);  // the block's first row's
   float prob[kCols], ds[kCols];
   auto probs_and_grads_of_thread = [&] {
     load_floats(prob, scratch + mine, swap);
     load_floats(ds, scratch + Traits::kBlockM * Traits::kLdS + mine, swap);
+    float dtanh[kCols];  // kSoftcap: the softcap's 1 - tanh^2
+    if constexpr (has_options(V)) {
+      const ScoreMods mods = ScoreMods::make(p, seq, blockIdx.y);
+      if constexpr (V == Variant::kSoftcap) {
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) prob[c] = mods.cap(prob[c], dtanh[c]);
+      }
+      if (mods.alibi != 0.f) {
+        const float dist0 = float(q_row + mods.shift - key0);
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) prob[c] += mods.bias(dist0 - float(c));
+      }
+    }
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) prob[c] = exp2_approx(prob[c] * p.softmax_scale_log2 - row.lse_log2());
-    // Keys past the end or past the row's last key (rows past seqlen_q have lse = +inf: P = 0 already).
-    if ((n_block + 1) * Traits::kBlockN > block_key_limit) {
+    // Keys past the end or outside the row's keys (rows past seqlen_q have lse = +inf: P = 0 already).
+    if constexpr (has_options(V)) {
+      if (mask_policy<V>(p, seq).template block_masked<Traits::kBlockM, Traits::kBlockN>(m_block, n_block)) {
+        CUTE_UNROLL
+        for (int c = 0; c < kCols; ++c) prob[c] = key0 + c < key_limit && key0 + c >= key_first ? prob[c] : 0.f;
+      }
+    } else if ((n_block + 1) * Traits::kBlockN > block_key_limit) {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) prob[c] = key0 + c < key_limit ? prob[c] : 0.f;
     }
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) ds[c] = prob[c] * (ds[c] - row.d);
+    if constexpr (V == Variant::kSoftcap) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) ds[c] *= p.softcap * dtanh[c];
+    }
   };
   probs_and_grads_of_thread();
   float ds_max = 0.f;
@@ -338,7 +361,7 @@ __device__ __forceinline__ void query_product_atomic(QueryTiles const& query_til
 // Key block n_block of one (sequence, head) in the dK/dV kernel, walking the query blocks that see it. A
 // step's phases: loads (Q and dO, staged as Traits::kStaging says), the softmax gradient (probs_and_grads),
 // the products (key_products, query_product_atomic, ordered by Traits::kSchedule); then the epilogue (dK, dV).
-template <typename Traits>
+template <typename Traits, Variant V>
 __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& seq, int head, int n_block) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -357,9 +380,9 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
   // is derived here from the first key's rows rather than taken from query_blocks: the same value, but in this
   // form the kernel compiles to the code of its causal-only arithmetic (from query_blocks its schedule moved,
   // 3-4 % slower at head dim 256).
-  const MaskPolicy<false> mask = mask_policy(p, seq);
+  const auto mask = mask_policy<V>(p, seq);
   const int m_block_begin = mask.right_bounded() ? mask.row_begin(n_block * kBlockN) / kBlockM : 0;
-  const int m_block_end = mask.query_blocks<kBlockM, kBlockN>(n_block).end;
+  const int m_block_end = mask.template query_blocks<kBlockM, kBlockN>(n_block).end;
 
   const QdoLoads<Traits> loads(p, seq, head, tid);
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
@@ -437,8 +460,8 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
     if constexpr (!kPingPong) __syncthreads();
 
     // Softmax gradient: P and dS into shared memory.
-    const float dk_rescale = probs_and_grads<Traits>(smem, buf, p, seq, m_block, n_block, row, ds_exp,
-                                                     [&] { return has_dk ? abs_max_of_tiles(acc_dk) : 0.f; });
+    const float dk_rescale = probs_and_grads<Traits, V>(smem, buf, p, seq, m_block, n_block, row, ds_exp,
+                                                        [&] { return has_dk ? abs_max_of_tiles(acc_dk) : 0.f; });
     if (has_dk) rescale_tiles(acc_dk, dk_rescale);
     // Products, in the schedule's order. Between the first and the others, loads: kPingPong loads the next
     // Q and dO, to be stored into the region of S and dP (spent by then) after the last, so that registers
@@ -494,13 +517,13 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
 // The dK/dV kernel: one thread block per key block of each (sequence, head) (sequence.cuh). The head's dQ,
 // summed by atomics, is converted by the last of its thread blocks to finish (a sequence without keys:
 // zeros).
-template <typename Traits, bool kVarlen>
+template <typename Traits, Variant V>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_kernel(const BwdParams p) {
   const int head = blockIdx.y;
   // A sequence without keys has no tile: its blocks only count themselves, and the last converts zeros.
-  for_each_tile<kVarlen>(
+  for_each_tile<V>(
       p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_k, Traits::kBlockN); },
-      [&](Sequence const& seq, int n_block) { bwd_block<Traits>(p, seq, head, n_block); });
+      [&](Sequence const& seq, int n_block) { bwd_block<Traits, V>(p, seq, head, n_block); });
   if (p.deterministic) return;
   // Every warp has issued its dQ atomics: count the block done (release: its atomics before the count). The
   // last to count converts (acquire: the other blocks' atomics after the count).
@@ -512,13 +535,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_ker
     if (last) __threadfence();
   }
   if (__syncthreads_or(last)) {
-    convert_dq_rowmajor<half_t, Traits::kHeadDim, Traits::kNThreads>(p, sequence<kVarlen>(p, blockIdx.z), head);
+    convert_dq_rowmajor<half_t, Traits::kHeadDim, Traits::kNThreads>(p, sequence<V>(p, blockIdx.z), head);
   }
 }
 
 // Deterministic dQ: one thread block per query block walks the key blocks it sees in a fixed order,
 // recomputing P and dS, and keeps dQ += dS K / s in registers.
-template <typename Traits>
+template <typename Traits, Variant V>
 __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const& seq, int head, int m_block) {
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -557,15 +580,15 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
   auto const* ds_lo = reinterpret_cast<__half const*>(smem.ds_lo.data());
   auto const* s_k = reinterpret_cast<__half const*>(smem.k.data());
 
-  const BlockRange keys = mask_policy(p, seq).key_blocks<kBlockM, kBlockN>(m_block);
+  const BlockRange keys = mask_policy<V>(p, seq).template key_blocks<kBlockM, kBlockN>(m_block);
   for (int n_block = keys.begin; n_block < keys.end; ++n_block) {
     __syncthreads();  // no warp still reads the previous K, V or dS
     const int keys_left = seq.seqlen_k - n_block * kBlockN;
     Traits::CopyKV::copy(gK.block(n_block), sK, keys_left, p.head_dim, tid);
     Traits::CopyKV::copy(gV.block(n_block), sV, keys_left, p.head_dim, tid);
     __syncthreads();
-    rescale_tiles(acc_dq, probs_and_grads<Traits>(smem, buf, p, seq, m_block, n_block, row, ds_exp,
-                                                  [&] { return abs_max_of_tiles(acc_dq); }));
+    rescale_tiles(acc_dq, probs_and_grads<Traits, V>(smem, buf, p, seq, m_block, n_block, row, ds_exp,
+                                                     [&] { return abs_max_of_tiles(acc_dq); }));
     const int band = query_tiles.row * 16 * kLdP;
     mma_row_tiles_split<kBlockN, false>(acc_dq, query_tiles, ds_hi + band, ds_lo + band, kLdP, s_k, kLd,
                                         p.fp16_correction);
@@ -582,11 +605,11 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
 }
 
 // One thread block per query block of each (sequence, head) (sequence.cuh).
-template <typename Traits, bool kVarlen>
+template <typename Traits, Variant V>
 __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdParams p) {
-  for_each_tile<kVarlen>(
+  for_each_tile<V>(
       p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
-      [&](Sequence const& seq, int m_block) { bwd_dq_block<Traits>(p, seq, blockIdx.y, m_block); });
+      [&](Sequence const& seq, int m_block) { bwd_dq_block<Traits, V>(p, seq, blockIdx.y, m_block); });
 }
 
 }  // namespace cuteflash::sm70

@@ -18,12 +18,12 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
   launch_bwd_preprocess<Element, kHeadDim>(p, stream);
   auto launch_one = [&](auto traits) {
     using Traits = decltype(traits);
-    for_batch_kind(p, [&](auto varlen) {
+    for_variant(p, [&](auto variant) {
       dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
-      launch(&bwd_kernel<Traits, varlen()>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm70 backward");
+      launch(&bwd_kernel<Traits, variant()>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm70 backward");
       if (p.deterministic) {
         dim3 grid_dq(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
-        launch(&bwd_dq_kernel<Traits, varlen()>, grid_dq, Traits::kNThreads, Traits::kSmemBytes, stream, p,
+        launch(&bwd_dq_kernel<Traits, variant()>, grid_dq, Traits::kNThreads, Traits::kSmemBytes, stream, p,
                "sm70 backward dQ");
       }
     });

@@ -22,7 +22,7 @@ namespace cuteflash::sm70 {
 using namespace cute;
 
 // Query block m_block of one (sequence, head).
-template <typename Traits>
+template <typename Traits, Variant V>
 __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& seq, int head, int m_block) {
   using namespace nvcuda;
   using Element = typename Traits::Element;
@@ -70,11 +70,11 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 
   Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
 
-  // Key blocks [keys.begin, keys.end), masked from keys.unmasked_end on. mask_policy bounds no row on the left,
-  // so keys.begin == keys.unmasked_begin and a row's keys end at key_limit (a window's left edge adds masked
-  // blocks at the start, and a second bound per row).
-  const BlockRange keys = mask_policy(p, seq).key_blocks<kBlockM, kBlockN>(m_block);
-  const int key_limit = mask_policy(p, seq).key_end(q_row);  // keys < key_limit are visible to my row
+  // Key blocks [keys.begin, keys.end), masked from keys.unmasked_end on and, where a window bounds the rows on
+  // the left (has_options), below keys.unmasked_begin. My row sees keys [key_first, key_limit).
+  const BlockRange keys = mask_policy<V>(p, seq).template key_blocks<kBlockM, kBlockN>(m_block);
+  const int key_limit = mask_policy<V>(p, seq).key_end(q_row);
+  const int key_first = mask_policy<V>(p, seq).key_begin(q_row);  // 0 but with has_options(V)
 
   // The row (within its 16x16 tile) of each element of an accumulator fragment, learned from a tile of
   // row numbers.
@@ -167,13 +167,35 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
       s[4 * i + 2] = v.z;
       s[4 * i + 3] = v.w;
     }
-    __syncwarp();                        // every lane holds its S: P takes its place
-    if (n_block >= keys.unmasked_end) {  // a block with keys past the end or past some row's last key
+    __syncwarp();  // every lane holds its S: P takes its place
+    if constexpr (has_options(V)) {
+      const ScoreMods mods = ScoreMods::make(p, seq, head);
+      if constexpr (V == Variant::kSoftcap) {
+        CUTE_UNROLL
+        for (int c = 0; c < kColsPerLane; ++c) {
+          float unused;
+          s[c] = mods.cap(s[c], unused);
+        }
+      }
+      if (mods.alibi != 0.f) {
+        const float dist0 = float(q_row + mods.shift - col0);  // minus the column's offset in my part
+        CUTE_UNROLL
+        for (int i = 0; i < kQuads; ++i) {
+          // Quad (i + my_rotation) % kQuads, at 4 i + 4 my_rotation but where the last one wraps to 0.
+          const float quad = i == kQuads - 1 && my_rotation ? 0.f : 4.f * (i + my_rotation);
+          CUTE_UNROLL
+          for (int e = 0; e < 4; ++e) s[4 * i + e] += mods.bias(dist0 - quad - float(e));
+        }
+      }
+    }
+    constexpr bool kWindow = has_options(V);  // else keys.begin == keys.unmasked_begin, key_first == 0
+    if (kWindow ? keys.masked(n_block) : n_block >= keys.unmasked_end) {  // keys past the end or a row's keys
       CUTE_UNROLL
       for (int i = 0; i < kQuads; ++i) {
         CUTE_UNROLL
         for (int e = 0; e < 4; ++e) {
-          if (col0 + 4 * ((i + my_rotation) % kQuads) + e >= key_limit) s[4 * i + e] = -INFINITY;
+          const int key = col0 + 4 * ((i + my_rotation) % kQuads) + e;
+          if (key >= key_limit || (kWindow && key < key_first)) s[4 * i + e] = -INFINITY;
         }
       }
     }
@@ -273,11 +295,11 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 }
 
 // One thread block per query block of each (sequence, head) (sequence.cuh), the heaviest causal blocks first.
-template <typename Traits, bool kVarlen>
+template <typename Traits, Variant V>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_kernel(const FwdParams p) {
-  for_each_tile<kVarlen>(
+  for_each_tile<V>(
       p, gridDim.x - 1 - blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
-      [&](Sequence const& seq, int m_block) { fwd_block<Traits>(p, seq, blockIdx.y, m_block); });
+      [&](Sequence const& seq, int m_block) { fwd_block<Traits, V>(p, seq, blockIdx.y, m_block); });
 }
 
 }  // namespace cuteflash::sm70

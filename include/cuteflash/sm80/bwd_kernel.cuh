@@ -78,7 +78,7 @@ __device__ __forceinline__ float* dq_accum_slots(BwdParams const& p, Sequence co
 }
 
 // Key block n_block of one (sequence, head).
-template <typename Traits>
+template <typename Traits, Variant V>
 __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& seq, int head, int n_block) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -93,7 +93,7 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
   const int tid = threadIdx.x;
   const int keys_left = seq.seqlen_k - n_block * kBlockN;
   // The query blocks with a row that sees a key of this block, and those that need no mask.
-  const BlockRange queries = mask_policy(p, seq).query_blocks<kBlockM, kBlockN>(n_block);
+  const BlockRange queries = mask_policy<V>(p, seq).template query_blocks<kBlockM, kBlockN>(n_block);
 
   const auto gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, seq.batch, head, seq.q_row0);
   const auto gdO = head_rows<kBlockM, kHeadDim, Element const>(p.dout, seq.batch, head, seq.q_row0);
@@ -225,8 +225,12 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
 
     // P, in place; rows past seqlen_q get lse = +inf: P = 0.
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
+    Tensor dtanh = make_fragment_like(s);  // kSoftcap: the softcap's 1 - tanh^2 (dead code otherwise)
+    if constexpr (has_options(V)) {
+      apply_score_mods<V>(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, ScoreMods::make(p, seq, head), dtanh);
+    }
     if (queries.masked(m_block)) {
-      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p, seq));
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy<V>(p, seq));
     }
     scores_to_probs(s, lse_log2, p.softmax_scale_log2);
     copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_s)), tPsP);
@@ -236,6 +240,7 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
     gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));  // (rows, cols)
     probs_to_grads(s, dp, d, p.softmax_scale);
+    if constexpr (V == Variant::kSoftcap) apply_softcap_grad(dp, dtanh, p.softcap);
     copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_dp)), tdSsdS);
     __syncthreads();  // P and dS are in shared memory
 
@@ -286,11 +291,11 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
 }
 
 // One thread block per key block of each (sequence, head) (sequence.cuh).
-template <typename Traits, bool kVarlen>
+template <typename Traits, Variant V>
 __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams p) {
-  for_each_tile<kVarlen>(
+  for_each_tile<V>(
       p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_k, Traits::kBlockN); },
-      [&](Sequence const& seq, int n_block) { bwd_block<Traits>(p, seq, blockIdx.y, n_block); });
+      [&](Sequence const& seq, int n_block) { bwd_block<Traits, V>(p, seq, blockIdx.y, n_block); });
 }
 
 // dq = dq_accum for the regions bwd_kernel<Traits> wrote: one thread block per query block, each thread
@@ -317,9 +322,9 @@ __device__ __forceinline__ void convert_dq_block(BwdParams const& p, Sequence co
                                                 seq.seqlen_q - m_block * kBlockM, p.head_dim, threadIdx.x);
 }
 
-template <typename Traits, bool kVarlen>
+template <typename Traits, Variant V>
 __global__ void __launch_bounds__(Traits::kNThreads) convert_dq_kernel(const BwdParams p) {
-  for_each_tile<kVarlen>(
+  for_each_tile<V>(
       p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
       [&](Sequence const& seq, int m_block) { convert_dq_block<Traits>(p, seq, blockIdx.y, m_block); });
 }
@@ -336,7 +341,7 @@ struct DqSharedStorage {
   array_aligned<typename Traits::Element, cosize_v<typename Traits::SmemLayoutKV>> k, v;
 };
 
-template <typename Traits>
+template <typename Traits, Variant V>
 __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const& seq, int head, int m_block) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -363,7 +368,7 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
 
   // A block that sees no key (causal, seqlen_q > seqlen_k; seqlen_k = 0) has dQ = 0 and loads nothing: the
   // epilogue reuses sQ, which a Q copy still in flight (awaited only inside the key loop) would overwrite.
-  const BlockRange keys = mask_policy(p, seq).key_blocks<kBlockM, kBlockN>(m_block);
+  const BlockRange keys = mask_policy<V>(p, seq).template key_blocks<kBlockM, kBlockN>(m_block);
   if (keys.empty()) {
     store_zero_tile<Traits>(sQ, gdQ, rows_left, p.head_dim, threadIdx.x);
     return;
@@ -422,11 +427,16 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
     gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, tiled_mma, copy_a, thr_a, copy_b, thr_b);
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+    Tensor dtanh = make_fragment_like(s);  // kSoftcap: the softcap's 1 - tanh^2 (dead code otherwise)
+    if constexpr (has_options(V)) {
+      apply_score_mods<V>(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, ScoreMods::make(p, seq, head), dtanh);
+    }
     if (keys.masked(n_block)) {
-      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p, seq));
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy<V>(p, seq));
     }
     scores_to_probs(s, lse_log2, p.softmax_scale_log2);
     probs_to_grads(s, dp, d_row, p.softmax_scale);
+    if constexpr (V == Variant::kSoftcap) apply_softcap_grad(dp, dtanh, p.softcap);
     Tensor rdS = convert_fragment<Element>(acc_dp);
     Tensor tdQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));  // (MMA, MMA_M, MMA_K over keys)
     gemm_rs(acc_dq, tdQrdS, tdQrKt, tdQsKt, tiled_mma, copy_bt, thr_bt);
@@ -436,11 +446,11 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
   store_acc_tile<Traits, kBlockM>(acc_dq, tiled_mma, smem.q.data(), gdQ, rows_left, p.head_dim, threadIdx.x);
 }
 
-template <typename Traits, bool kVarlen>
+template <typename Traits, Variant V>
 __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdParams p) {
-  for_each_tile<kVarlen>(
+  for_each_tile<V>(
       p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
-      [&](Sequence const& seq, int m_block) { bwd_dq_block<Traits>(p, seq, blockIdx.y, m_block); });
+      [&](Sequence const& seq, int m_block) { bwd_dq_block<Traits, V>(p, seq, blockIdx.y, m_block); });
 }
 
 }  // namespace cuteflash::sm80

@@ -14,15 +14,18 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
 
   auto launch_one = [&](auto traits) {
     using Traits = decltype(traits);
-    for_batch_kind(p, [&](auto varlen) {
+    for_variant(p, [&](auto variant) {
       dim3 grid(ceil_div(p.seqlen_k, Traits::kBlockN), p.nheads, p.batch);
-      launch(&bwd_kernel<Traits, varlen()>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm80 backward");
-      if (!p.deterministic) {
+      launch(&bwd_kernel<Traits, variant()>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm80 backward");
+    });
+    if (!p.deterministic) {
+      for_batch_kind(p, [&](auto batch_kind) {
         dim3 grid_dq(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
         constexpr int smem = Traits::kBlockM * Traits::kHeadDim * int(sizeof(typename Traits::Element));
-        launch(&convert_dq_kernel<Traits, varlen()>, grid_dq, Traits::kNThreads, smem, stream, p, "sm80 dQ conversion");
-      }
-    });
+        launch(&convert_dq_kernel<Traits, batch_kind()>, grid_dq, Traits::kNThreads, smem, stream, p,
+               "sm80 dQ conversion");
+      });
+    }
   };
   // H100/H200, A100, then sm86/89/120; neighbours are often the same type.
   launch_fitting<typename BwdTraitsSelect<Element, kHeadDim, kSmemSm90Bytes>::type,
@@ -34,8 +37,8 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
     constexpr int smem = int(sizeof(DqSharedStorage<DqT>));
     require_smem(smem, "backward dQ", kHeadDim);
     dim3 grid_dq(ceil_div(p.seqlen_q, DqT::kBlockM), p.nheads, p.batch);
-    for_batch_kind(p, [&](auto varlen) {
-      launch(&bwd_dq_kernel<DqT, varlen()>, grid_dq, DqT::kNThreads, smem, stream, p, "sm80 backward dQ");
+    for_variant(p, [&](auto variant) {
+      launch(&bwd_dq_kernel<DqT, variant()>, grid_dq, DqT::kNThreads, smem, stream, p, "sm80 backward dQ");
     });
   }
 }

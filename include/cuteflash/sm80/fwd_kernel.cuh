@@ -98,7 +98,7 @@ __device__ void store_empty_block(SmemO& sO, GmemO& gO, float* lse, FwdParams co
 }
 
 // Query block m_block of one (sequence, head).
-template <typename Traits, bool kVarlen>
+template <typename Traits, Variant V>
 __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& seq, int head, int m_block) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -110,7 +110,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 
   const int head_k = head / (p.nheads / p.nheads_k);
   // The thread's index, read where it is used (utils.cuh's kFresh where the kernel walks several tiles).
-  auto thread = [] { return kVarlen ? unsigned(thread_index<Traits::kNThreads, true>()) : threadIdx.x; };
+  auto thread = [] { return V != Variant::kFixed ? unsigned(thread_index<Traits::kNThreads, true>()) : threadIdx.x; };
   const int tid = thread();
   const int rows_left = seq.seqlen_q - m_block * kBlockM;
 
@@ -128,9 +128,9 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});  // (kHeadDim, kBlockN)
 
   // The key blocks to visit, downwards: first those from keys.unmasked_end on, which hold keys past seqlen_k or
-  // past some row's last key, with a mask; then the rest without. mask_policy bounds no row on the left, so
-  // keys.begin == keys.unmasked_begin (a window's left edge adds masked blocks at the end of the walk).
-  const BlockRange keys = mask_policy(p, seq).key_blocks<kBlockM, kBlockN>(m_block);
+  // past some row's last key, with a mask; then those without; then, where a window bounds the rows on the
+  // left (has_options), those below keys.unmasked_begin with a mask again.
+  const BlockRange keys = mask_policy<V>(p, seq).template key_blocks<kBlockM, kBlockN>(m_block);
   if (keys.empty()) {
     store_empty_block<Traits>(sO, gO, lse, p, rows_left, thread());
     return;
@@ -196,21 +196,32 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_thr_q, smem_copy_k, smem_thr_k);
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
+    if constexpr (has_options(V)) {
+      apply_score_mods<V>(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, ScoreMods::make(p, seq, head), nullptr);
+    }
     if constexpr (decltype(masked)::value) {
-      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy(p, seq));
+      if (!has_options(V) || keys.masked(n_block)) {
+        apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy<V>(p, seq));
+      }
     }
 
     cp_async_wait<0>();
     __syncthreads();  // V[n_block] is in sV, and no warp still reads sK
-    if (n_block > 0) load_kv(gK, tKsK, n_block - 1);
+    if (n_block > keys.begin) load_kv(gK, tKsK, n_block - 1);
 
     softmax.update(s, acc_o_rc, p.softmax_scale_log2);
     Tensor rP = convert_fragment<Element>(acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));  // (MMA, MMA_M, MMA_K over keys)
     gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
   };
-  for (; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{});
-  for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{});
+  if constexpr (has_options(V)) {
+    // One call of step, which masks where keys.masked says: nvcc inlines a lambda called from two places no
+    // more once the general variant's work is in it, and then keeps every fragment it captures in local memory.
+    for (; n_block >= keys.begin; --n_block) step(n_block, cute::true_type{});
+  } else {  // keys.begin == keys.unmasked_begin
+    for (; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{});
+    for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{});
+  }
 
   // ---- Epilogue: O /= l, lse = m * scale + log(l); O goes through shared memory for 16-byte stores.
   float row_lse[kRows];
@@ -230,11 +241,11 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 
 // One thread block per query block of each (sequence, head) (sequence.cuh): the heaviest causal blocks (most
 // keys) are scheduled first, so that the grid's tail is light.
-template <typename Traits, bool kVarlen>
+template <typename Traits, Variant V>
 __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams p) {
-  for_each_tile<kVarlen>(
+  for_each_tile<V>(
       p, gridDim.x - 1 - blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
-      [&](Sequence const& seq, int m_block) { fwd_block<Traits, kVarlen>(p, seq, blockIdx.y, m_block); });
+      [&](Sequence const& seq, int m_block) { fwd_block<Traits, V>(p, seq, blockIdx.y, m_block); });
 }
 
 }  // namespace cuteflash::sm80
