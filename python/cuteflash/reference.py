@@ -8,13 +8,6 @@ from __future__ import annotations
 import torch
 
 
-def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
-    """(seqlen_q, seqlen_k) bool, True where masked: key j is hidden from query i when j > i + seqlen_k - seqlen_q."""
-    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
-    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
-    return j > i + (seqlen_k - seqlen_q)
-
-
 def window_mask(seqlen_q: int, seqlen_k: int, window_size, causal: bool = False, device=None) -> torch.Tensor:
     """(seqlen_q, seqlen_k) bool, True where masked: query i sees key j when
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (a negative side: unbounded;
