@@ -215,8 +215,9 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
   };
   if constexpr (has_options(V)) {
-    // One call of step, which masks where keys.masked says: nvcc inlines a lambda called from two places no
-    // more once the general variant's work is in it, and then keeps every fragment it captures in local memory.
+    // One call of step, which masks where keys.masked says: called from three loops (masked, unmasked, masked)
+    // with the options' work in it, the lambda was not inlined, and every fragment it captures went to local
+    // memory.
     for (; n_block >= keys.begin; --n_block) step(n_block, cute::true_type{});
   } else {  // keys.begin == keys.unmasked_begin
     for (; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{});
