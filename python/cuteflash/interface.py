@@ -150,10 +150,11 @@ def _attention(
         isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0
     ):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    _check_qkv(*_ops.unpack(q, k, v), varlen is not None)
+    unpacked = _ops.unpack(q, k, v)
+    _check_qkv(*unpacked, varlen is not None)
     varlen = (None, None, 0, 0) if varlen is None else _check_varlen(q, *varlen)
     batch = q.shape[0] if varlen[0] is None else varlen[0].numel() - 1
-    options = _check_options(_ops.unpack(q, k, v)[0], batch, window_size, softcap, alibi_slopes)
+    options = _check_options(unpacked[0], batch, window_size, softcap, alibi_slopes)
     head_dim = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
