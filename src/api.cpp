@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -58,15 +59,28 @@ struct Varlen {
   bool on() const { return cu_seqlens_q != 0 || cu_seqlens_k != 0; }
 };
 
-// The options that take the general kernels (params.h): flash-attn's window_size, softcap and ALiBi slopes (a
-// device pointer to fp32 slopes, per head or per (batch, head) with alibi_batch_stride nheads).
+// The options that take the general kernels (params.h): flash-attn's window_size, softcap, ALiBi slopes (a
+// device pointer to fp32 slopes, per head or per (batch, head) with alibi_batch_stride nheads), and dropout
+// (dropout_p > 0, with rng_state a device pointer to the call's Philox counter base, an int64).
 struct Options {
   int window_left = -1;
   int window_right = -1;
   float softcap = 0.f;
   uintptr_t alibi_slopes = 0;
   int alibi_batch_stride = 0;
+  double dropout_p = 0.0;
+  uintptr_t rng_state = 0;
 };
+
+// p's dropout fields (params.h) for dropout_p and rng_state.
+void fill_dropout(FwdParams& p, double dropout_p, uintptr_t rng_state) {
+  require(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p must be in [0, 1)");
+  if (dropout_p == 0.0) return;
+  require(rng_state != 0 && rng_state % 8 == 0, "dropout needs rng_state, an aligned int64 on the device");
+  p.rng_state = reinterpret_cast<uint64_t const*>(rng_state);
+  p.dropout_threshold = uint32_t(std::lround((1.0 - dropout_p) * 16384.0));
+  p.dropout_scale = float(1.0 / (1.0 - dropout_p));
+}
 
 // Fills p's options in a canonical form: causal bounds the right side at 0 by itself, a right bound of 0 alone
 // is the causal mask, and in a fixed-length batch a side that bounds no row is dropped, so that the general
@@ -96,6 +110,8 @@ void fill_options(FwdParams& p, Options const& o, bool varlen) {
   }
   p.alibi_slopes = reinterpret_cast<float const*>(o.alibi_slopes);
   p.alibi_batch_stride = o.alibi_batch_stride;
+  require(o.softcap == 0.f || o.dropout_p == 0.0, "softcap with dropout is not implemented");
+  fill_dropout(p, o.dropout_p, o.rng_state);
 }
 
 // Checks the arguments shared by both directions (those the kernels would read out of bounds with) and
@@ -180,9 +196,9 @@ void fwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
          Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
          int head_dim, float softmax_scale, bool causal, bool fp16_correction, uintptr_t stream, uintptr_t cu_seqlens_q,
          uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k, int window_left, int window_right, float softcap,
-         uintptr_t alibi_slopes, int alibi_batch_stride) {
+         uintptr_t alibi_slopes, int alibi_batch_stride, double dropout_p, uintptr_t rng_state) {
   const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
-  const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride};
+  const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, dropout_p, rng_state};
   Family family = parse_family(family_name);
   FwdParams p{};
   if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
@@ -217,9 +233,9 @@ void bwd(std::string const& family_name, int dtype_code, Operand const& dout, Op
          int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale, bool causal, bool fp16_correction,
          bool deterministic, uintptr_t stream, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int64_t total_q,
          int64_t total_k, int window_left, int window_right, float softcap, uintptr_t alibi_slopes,
-         int alibi_batch_stride) {
+         int alibi_batch_stride, double dropout_p, uintptr_t rng_state) {
   const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
-  const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride};
+  const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, dropout_p, rng_state};
   Family family = parse_family(family_name);
   BwdParams p{};
   if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
@@ -263,6 +279,34 @@ void bwd(std::string const& family_name, int dtype_code, Operand const& dout, Op
   launch(p, reinterpret_cast<cudaStream_t>(stream));
 }
 
+// The dropout mask of a call (dropout.cuh), for return_attn_probs: keep, uint8 (batch, nheads, rows, cols) with
+// rows and cols multiples of 16; a variable-length batch is told by cu_seqlens_q (its sequences index the batch).
+void dropout_mask(std::string const& family_name, uintptr_t keep, int rows, int cols, int batch, int nheads,
+                  int seqlen_q, int seqlen_k, uintptr_t cu_seqlens_q, int64_t total_q, int64_t total_k,
+                  double dropout_p, uintptr_t rng_state, uintptr_t stream) {
+  const Family family = parse_family(family_name);
+  require(keep != 0 && rows >= 0 && cols >= 0 && rows % 16 == 0 && cols % 16 == 0,
+          "the dropout mask needs a buffer of rows x cols bytes per (batch, head), both multiples of 16");
+  require(batch >= 0 && batch <= 65535 && nheads >= 1 && nheads <= 65535, "batch and nheads out of range");
+  require(dropout_p > 0.0, "dropout_p must be > 0 for a dropout mask");
+  FwdParams p{};
+  p.batch = batch;
+  p.nheads = nheads;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.cu_seqlens_q = reinterpret_cast<int const*>(cu_seqlens_q);
+  p.total_q = int(total_q);
+  p.total_k = int(total_k);
+  fill_dropout(p, dropout_p, rng_state);
+  if (batch == 0 || rows == 0 || cols == 0) return;
+  DropoutMaskFn launch = find_dropout_mask(family);
+  require(launch != nullptr, std::string("no ") + family_name + " kernels were compiled in");
+  if (!family_runs(family)) {
+    throw std::runtime_error("cuteflash: the " + family_name + " kernels were not compiled for this GPU");
+  }
+  launch(p, reinterpret_cast<uint8_t*>(keep), rows, cols, reinterpret_cast<cudaStream_t>(stream));
+}
+
 py::dict build_info() {
   py::dict families;
 #ifdef CUTEFLASH_HAS_SM70
@@ -304,7 +348,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("fp16_correction"), py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
         py::arg("total_q") = 0, py::arg("total_k") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("softcap") = 0.f, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0);
+        py::arg("softcap") = 0.f, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0,
+        py::arg("dropout_p") = 0.0, py::arg("rng_state") = 0);
   m.def("bwd_workspace", &cuteflash::bwd_workspace, py::kw_only(), py::arg("family"), py::arg("head_dim"),
         py::arg("batch"), py::arg("nheads"), py::arg("seqlen_q"), py::arg("deterministic"), py::arg("total_q") = -1,
         "dq_accum's size in floats, and whether D may live in dq's memory, for a backward pass.");
@@ -315,7 +360,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("softmax_scale"), py::arg("causal"), py::arg("fp16_correction"), py::arg("deterministic"),
         py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0,
         py::arg("total_k") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.f,
-        py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0);
+        py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0, py::arg("dropout_p") = 0.0,
+        py::arg("rng_state") = 0);
+  m.def("dropout_mask", &cuteflash::dropout_mask, py::kw_only(), py::arg("family"), py::arg("keep"), py::arg("rows"),
+        py::arg("cols"), py::arg("batch"), py::arg("nheads"), py::arg("seqlen_q"), py::arg("seqlen_k"),
+        py::arg("cu_seqlens_q"), py::arg("total_q"), py::arg("total_k"), py::arg("dropout_p"), py::arg("rng_state"),
+        py::arg("stream"), "The dropout mask of a call, a byte per element (for return_attn_probs).");
   m.def(
       "family_runs", [](std::string const& family) { return cuteflash::family_runs(cuteflash::parse_family(family)); },
       py::arg("family"), "Whether the family's code in this module runs on the current CUDA device.");

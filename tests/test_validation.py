@@ -61,9 +61,10 @@ def test_inconsistent_shapes(shapes, message):
         flash_attn_func(q, k, v)
 
 
-def test_unimplemented_arguments_name_themselves():
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        flash_attn_func(*qkv(), dropout_p=0.1)
+@pytest.mark.parametrize("dropout_p", [-0.1, 1.0, float("nan"), "0.1", None])
+def test_bad_dropout_p(dropout_p):
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\)"):
+        flash_attn_func(*qkv(), dropout_p=dropout_p)
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])

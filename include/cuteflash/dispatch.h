@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,8 @@ enum class Family : int { kSm70 = 70, kSm80 = 80 };
 
 using FwdFn = void (*)(FwdParams const&, cudaStream_t);
 using BwdFn = void (*)(BwdParams const&, cudaStream_t);
+// Writes the dropout mask of p's call (dropout.cuh's dropout_mask_kernel): keep, rows, cols.
+using DropoutMaskFn = void (*)(FwdParams const&, uint8_t*, int, int, cudaStream_t);
 
 // True when the module holds code of this family that the current device can run.
 bool family_runs(Family family);
@@ -23,6 +26,7 @@ bool family_runs(Family family);
 // The forward / backward launcher for a kernel head dim (one of kHeadDims), or nullptr if it was not compiled.
 FwdFn find_fwd(Family family, DType dtype, int head_dim);
 BwdFn find_bwd(Family family, DType dtype, int head_dim);
+DropoutMaskFn find_dropout_mask(Family family);
 
 // One compiled launcher: its family, direction ("fwd" or "bwd"), dtype and kernel head dim.
 struct KernelInfo {

@@ -66,15 +66,18 @@ void for_batch_kind(FwdParams const& p, LaunchFor const& launch_for) {
   }
 }
 
-// Whether p sets an option that only the kGeneral and kSoftcap kernels apply (params.h).
+// Whether p sets an option that only the variants with has_options apply (params.h).
 inline bool needs_general(FwdParams const& p) {
-  return p.window_left >= 0 || p.window_right >= 0 || p.softcap > 0.f || p.alibi_slopes != nullptr;
+  return p.window_left >= 0 || p.window_right >= 0 || p.softcap > 0.f || p.alibi_slopes != nullptr ||
+         p.rng_state != nullptr;
 }
 
 // Calls launch_for(VariantConstant<V>{}) with the variant (sequence.cuh) that computes p.
 template <typename LaunchFor>
 void for_variant(FwdParams const& p, LaunchFor const& launch_for) {
-  if (p.softcap > 0.f) {
+  if (p.rng_state != nullptr) {
+    launch_for(VariantConstant<Variant::kDropout>{});
+  } else if (p.softcap > 0.f) {
     launch_for(VariantConstant<Variant::kSoftcap>{});
   } else if (needs_general(p)) {
     launch_for(VariantConstant<Variant::kGeneral>{});

@@ -74,6 +74,12 @@ struct FwdParams {
   // scores of row i, key j get -slope |i + seqlen_k - seqlen_q - j| added after the softmax's scale. Null: none.
   float const* alibi_slopes;
   int alibi_batch_stride;
+  // Dropout (dropout.cuh), where rng_state is set: on the device, this forward call's 64-bit Philox counter base
+  // (its backward reads the same); a probability is kept where 14 bits of its draw are below dropout_threshold =
+  // (1 - p) 2^14, and the kept ones are scaled by dropout_scale = 1 / (1 - p).
+  uint64_t const* rng_state;
+  uint32_t dropout_threshold;
+  float dropout_scale;
   bool fp16_correction;  // sm70: P (and dS) as hi + 2^-11 lo in their products (error-corrected fp16)
 };
 

@@ -17,11 +17,13 @@ namespace cuteflash {
 //   kGeneral  either kind of batch (told apart at run time) with the params' other options: sliding windows
 //             and ALiBi, each applied only where the params set it;
 //   kSoftcap  kGeneral with softcapping as well. Apart because nvcc predicates an option's work per score
-//             rather than branching around it, so that a kernel with the softcap's tanh pays for it always.
-enum class Variant { kFixed, kVarlen, kGeneral, kSoftcap };
+//             rather than branching around it, so that a kernel with the softcap's tanh pays for it always;
+//   kDropout  kGeneral with dropout (dropout.cuh); without the softcap, for the reason above.
+enum class Variant { kFixed, kVarlen, kGeneral, kSoftcap, kDropout };
 
-// Whether kernels of variant v apply the params' options (windows, ALiBi; softcap where v is kSoftcap).
-constexpr bool has_options(Variant v) { return v == Variant::kGeneral || v == Variant::kSoftcap; }
+// Whether kernels of variant v apply the params' options (windows, ALiBi; the softcap in kSoftcap, dropout in
+// kDropout).
+constexpr bool has_options(Variant v) { return v != Variant::kFixed && v != Variant::kVarlen; }
 
 struct Sequence {
   int batch;

@@ -89,15 +89,26 @@ def _lse_shape(q: torch.Tensor, varlen: Varlen | None) -> tuple[int, ...]:
 
 class Options(NamedTuple):
     """The options that take the general kernels: flash-attn's window_size (-1: an unbounded side), softcap
-    (0.0: off) and ALiBi slopes (fp32, (nheads,) or (batch, nheads), contiguous; None: off)."""
+    (0.0: off), ALiBi slopes (fp32, (nheads,) or (batch, nheads), contiguous; None: off), and dropout_p with
+    the call's rng_state (draw_rng_state; None where dropout_p is 0)."""
 
     window_left: int = -1
     window_right: int = -1
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    rng_state: torch.Tensor | None = None
 
 
 NO_OPTIONS = Options()
+
+
+def draw_rng_state(device: torch.device) -> torch.Tensor:
+    """The random state of one call with dropout: one int64 on the GPU, the Philox counter base of
+    include/cuteflash/dropout.cuh, drawn from torch's CUDA generator, so that torch.manual_seed governs the
+    mask, and drawn on the GPU, so that a captured CUDA graph draws anew at each replay. The backward pass
+    reads the same state and so the same mask."""
+    return torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64, device=device)
 
 
 def _problem(
@@ -128,6 +139,8 @@ def _problem(
     slopes = options.alibi_slopes
     if slopes is not None:
         problem.update(alibi_slopes=slopes.data_ptr(), alibi_batch_stride=slopes.shape[-1] if slopes.dim() == 2 else 0)
+    if options.dropout_p > 0:
+        problem.update(dropout_p=options.dropout_p, rng_state=options.rng_state.data_ptr())
     if varlen is None:
         return dict(problem, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1])
     return dict(
@@ -185,13 +198,15 @@ def fwd(
     window_right: int,
     softcap: float,
     alibi_slopes: torch.Tensor | None,
+    dropout_p: float,
+    rng_state: torch.Tensor | None,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel as an operator that torch.compile and autograd see. q, k, v may be packed
     (unpack); cu_seqlens_q None: a fixed-length batch, whose max_seqlen_q/k are ignored; the options as
     Options. `deterministic` is kept for the backward pass."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options = Options(window_left, window_right, softcap, alibi_slopes)
+    options = Options(window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
     return fwd_impl(*unpack(q, k, v), softmax_scale, causal, varlen, options)
 
 
@@ -314,6 +329,8 @@ def bwd(
     window_right: int,
     softcap: float,
     alibi_slopes: torch.Tensor | None,
+    dropout_p: float,
+    rng_state: torch.Tensor | None,
     deterministic: bool,
 ) -> list[torch.Tensor]:
     """The gradients of the forward op's inputs that are given (q, k, v, or packed: one per input), as
@@ -321,7 +338,7 @@ def bwd(
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v) if t is not None]
     dq, dk, dv = unpack(*grads, *[None] * (3 - len(grads)))
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options = Options(window_left, window_right, softcap, alibi_slopes)
+    options = Options(window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
     bwd_into(dq, dk, dv, dout, *unpack(q, k, v), out, lse, softmax_scale, causal, deterministic, varlen, options)
     return grads
 
@@ -336,16 +353,17 @@ def _setup_context(ctx, inputs, output):
     *options, deterministic = rest
     options = Options(*options)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, options.alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, options.alibi_slopes, options.rng_state)
     ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.window_left, ctx.window_right, ctx.softcap = options.window_left, options.window_right, options.softcap
+    ctx.dropout_p = options.dropout_p
     ctx.mark_non_differentiable(lse)  # as flash-attn: the log-sum-exp is returned for inspection only
     ctx.set_materialize_grads(False)  # lse's gradient stays None instead of a tensor of zeros
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
     grads = iter(
         bwd(
             grad_out,
@@ -364,11 +382,64 @@ def _backward(ctx, grad_out, grad_lse):
             ctx.window_right,
             ctx.softcap,
             alibi_slopes,
+            ctx.dropout_p,
+            rng_state,
             ctx.deterministic,
         )
     )
     dq, dk, dv = (next(grads) if t is not None else None for t in (q, k, v))
-    return dq, dk, dv, *[None] * 11
+    return dq, dk, dv, *[None] * 13
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _round128(n: int) -> int:
+    return (n + 127) // 128 * 128
+
+
+@torch.library.custom_op("cuteflash::dropout_mask", mutates_args=(), device_types="cuda")
+def dropout_mask(
+    rng_state: torch.Tensor,
+    dropout_p: float,
+    batch: int,
+    nheads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    cu_seqlens_q: torch.Tensor | None,
+    total_q: int,
+    total_k: int,
+) -> torch.Tensor:
+    """The dropout mask that the kernels drew for a call with rng_state, True where kept: bool (batch, nheads,
+    seqlen_q, seqlen_k) rounded up to multiples of 128 (flash-attn's S_dmask shape). Element (i, j) of
+    (b, h) is row i and key j of sequence b, and so it is in a variable-length batch (cu_seqlens_q given; its
+    seqlen_q and seqlen_k the bounds, total_q and total_k its operands' rows)."""
+    keep = torch.empty(
+        (batch, nheads, _round128(seqlen_q), _round128(seqlen_k)), dtype=torch.uint8, device=rng_state.device
+    )
+    family = select_family(rng_state.device)
+    _launch(
+        rng_state.device,
+        compiled_module().dropout_mask,
+        family=family,
+        keep=keep.data_ptr(),
+        rows=keep.shape[2],
+        cols=keep.shape[3],
+        batch=batch,
+        nheads=nheads,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        cu_seqlens_q=0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+        total_q=total_q,
+        total_k=total_k,
+        dropout_p=dropout_p,
+        rng_state=rng_state.data_ptr(),
+        stream=torch.cuda.current_stream(rng_state.device).cuda_stream,
+    )
+    return keep.view(torch.bool)
+
+
+@dropout_mask.register_fake
+def _(rng_state, dropout_p, batch, nheads, seqlen_q, seqlen_k, cu_seqlens_q, total_q, total_k):
+    shape = (batch, nheads, _round128(seqlen_q), _round128(seqlen_k))
+    return rng_state.new_empty(shape, dtype=torch.bool)

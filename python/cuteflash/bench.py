@@ -43,10 +43,15 @@ QUICK_SHAPES = [(1, 4, 256, 64), (1, 16, 1024, 128)]
 # The default suite runs the mixed batch; --suite varlen all of them.
 VARLEN_MIXED = (65536, 128, 4096, 16, 128)  # tokens, shortest, longest, heads, head dim
 VARLEN_EQUAL = [(8, 16, 2048, 64), (2, 16, 8192, 128)]  # (batch, heads, seqlen, headdim)
-# The options (flash_attn_func's window_size, softcap, alibi_slopes) on one causal shape, each beside the same
-# call without it: a sliding window skips the key blocks outside it, softcap and ALiBi change every score.
+# The options (flash_attn_func's window_size, softcap, alibi_slopes, dropout_p) on one causal shape, each beside
+# the same call without it: a sliding window skips the key blocks outside it, the others change every score.
 OPTIONS_SHAPE = (1, 16, 16384, 128)  # (batch, heads, seqlen, headdim)
-OPTIONS = {"window (1024, 0)": {"window_size": (1024, 0)}, "softcap 30": {"softcap": 30.0}, "alibi": {}}
+OPTIONS = {
+    "window (1024, 0)": {"window_size": (1024, 0)},
+    "softcap 30": {"softcap": 30.0},
+    "alibi": {},
+    "dropout 0.1": {"dropout_p": 0.1},
+}
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")  # math: plain PyTorch attention
 FAST_SDPA = SDPA_BACKENDS[:3]
 IMPLS = ("cuteflash",) + SDPA_BACKENDS

@@ -11,15 +11,58 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from . import _ops
+from . import _ops, reference
 
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _check_dropout(dropout_p) -> None:
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not implemented in cuteflash yet; pass 0.0")
+def _check_dropout(dropout_p) -> float:
+    if not (isinstance(dropout_p, (int, float)) and 0 <= dropout_p < 1):
+        raise ValueError(f"dropout_p must be a number in [0, 1) (0.0: no dropout, as in evaluation), got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def _attn_probs(q, k, lse, varlen, softmax_scale, causal, options: _ops.Options) -> torch.Tensor:
+    """flash-attn's S_dmask for a call with dropout: (batch, nheads, seqlen_q, seqlen_k), both rounded up to
+    multiples of 128 (the bounds for a variable-length batch), in q's dtype: the softmax probabilities (in
+    fp32 from q, k and the kernel's lse), those that dropout dropped negated, zeros past each sequence. Testing
+    only: O(seqlen_q * seqlen_k) memory, and a variable-length batch's offsets are read on the host."""
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = varlen
+    fixed = cu_seqlens_q is None
+    nheads = q.shape[-2]
+    batch = q.shape[0] if fixed else cu_seqlens_q.numel() - 1
+    keep = _ops.dropout_mask(
+        options.rng_state,
+        options.dropout_p,
+        batch,
+        nheads,
+        q.shape[1] if fixed else max_seqlen_q,
+        k.shape[1] if fixed else max_seqlen_k,
+        cu_seqlens_q,
+        0 if fixed else q.shape[0],
+        0 if fixed else k.shape[0],
+    )
+    window = (options.window_left, options.window_right)
+    slopes = options.alibi_slopes
+
+    def probs_of(q, k, lse, slopes):  # one batch (or sequence): (b, h, s_q, s_k) fp32
+        scores = reference.scores_ref(q, k, softmax_scale, causal, torch.float32, window, options.softcap, slopes)
+        return torch.exp(scores - lse.unsqueeze(-1))
+
+    probs = torch.zeros(keep.shape, dtype=torch.float32, device=q.device)
+    if fixed:
+        probs[:, :, : q.shape[1], : k.shape[1]] = probs_of(q, k, lse, slopes)
+    else:
+        starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for b in range(batch):
+            q0, k0 = starts_q[b], starts_k[b]
+            len_q, len_k = min(starts_q[b + 1] - q0, keep.shape[2]), min(starts_k[b + 1] - k0, keep.shape[3])
+            slopes_b = slopes[b : b + 1] if slopes is not None and slopes.dim() == 2 else slopes
+            probs[b : b + 1, :, :len_q, :len_k] = probs_of(
+                q[q0 : q0 + len_q].unsqueeze(0), k[k0 : k0 + len_k].unsqueeze(0), lse[:, q0 : q0 + len_q], slopes_b
+            )
+    return torch.where(keep, probs, -probs).to(q.dtype)
 
 
 def _check_options(q, batch: int, window_size, softcap, alibi_slopes) -> tuple:
@@ -145,7 +188,7 @@ def _attention(
 ):
     """q, k, v as _ops.unpack reads them (k None: q is qkv packed; v None: k is kv packed); varlen: None, or
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
-    _check_dropout(dropout_p)
+    dropout_p = _check_dropout(dropout_p)
     if softmax_scale is not None and not (
         isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0
     ):
@@ -155,6 +198,12 @@ def _attention(
     varlen = (None, None, 0, 0) if varlen is None else _check_varlen(q, *varlen)
     batch = q.shape[0] if varlen[0] is None else varlen[0].numel() - 1
     options = _check_options(unpacked[0], batch, window_size, softcap, alibi_slopes)
+    if dropout_p > 0 and options[2] > 0:
+        raise NotImplementedError(
+            "softcap together with dropout_p > 0 is not implemented in cuteflash yet; pass softcap=0.0 or dropout_p=0.0"
+        )
+    rng_state = _ops.draw_rng_state(q.device) if dropout_p > 0 else None
+    options = _ops.Options(*options, dropout_p, rng_state)
     head_dim = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
@@ -166,7 +215,12 @@ def _attention(
     out, lse = _ops.forward(q, k, v, *varlen, float(softmax_scale), bool(causal), *options, bool(deterministic))
     if pad:
         out = out[..., :head_dim]
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    if dropout_p == 0:
+        return out, lse, None
+    q, k = (t.detach() for t in _ops.unpack(q, k, v)[:2])
+    return out, lse, _attn_probs(q, k, lse, varlen, softmax_scale, bool(causal), options)
 
 
 def _check_packed(name: str, t, shape: tuple[str, ...]) -> None:
@@ -189,7 +243,7 @@ def flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Exact attention softmax(Q K^T * softmax_scale) V, without materialising the attention matrix.
 
     K and V may have fewer heads than Q (multi-query / grouped-query attention): nheads must be a
@@ -211,7 +265,10 @@ def flash_attn_func(
         q: (batch_size, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA GPU.
         k: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
         v: (batch_size, seqlen_k, nheads_k, headdim), same dtype and device.
-        dropout_p: float. Dropout probability; only 0.0 is implemented.
+        dropout_p: float. Dropout probability on the attention probabilities, in [0, 1): each is dropped
+            with probability dropout_p and the others divided by 1 - dropout_p. The mask comes from a Philox
+            generator seeded from torch's CUDA generator (torch.manual_seed governs it; a CUDA graph draws a
+            new one at each replay), and the backward pass uses the same. Pass 0.0 in evaluation.
         softmax_scale: float. Scaling of QK^T before the softmax; default 1 / sqrt(headdim).
         causal: bool. Whether to apply the (bottom-right aligned) causal mask.
         window_size: (left, right). Sliding-window attention: query i keeps key j when
@@ -225,12 +282,16 @@ def flash_attn_func(
         deterministic: bool. Whether the backward pass must be bitwise reproducible: dQ then comes from a
             second kernel that walks the keys of each query block in a fixed order, instead of fp32
             atomics whose order varies between runs (slower: the backward pass recomputes S and dP).
-        return_attn_probs: bool. Also return the log-sum-exp (for testing; no attention matrix is made).
+        return_attn_probs: bool. Also return the log-sum-exp and, with dropout, the attention probabilities
+            with the dropout mask (for testing: that matrix takes O(seqlen_q * seqlen_k) memory).
     Return:
         out: (batch_size, seqlen_q, nheads, headdim).
         softmax_lse [if return_attn_probs]: (batch_size, nheads, seqlen_q), float32: the log-sum-exp of
             each row of QK^T * softmax_scale (+inf for a row that sees no key).
-        None [if return_attn_probs]: in place of flash-attn's dropout mask.
+        S_dmask [if return_attn_probs]: with dropout_p > 0, (batch_size, nheads, seqlen_q_rounded,
+            seqlen_k_rounded), both rounded up to multiples of 128, in q's dtype: the softmax probabilities
+            before dropout, negated where dropout dropped them (flash-attn's encoding: S_dmask >= 0 is the
+            kept mask, S_dmask.abs() the probabilities), zeros past seqlen_q and seqlen_k. Without dropout, None.
     """
     return _attention(
         q,
@@ -258,7 +319,7 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """flash_attn_func for q, k and v stacked in one tensor: qkv (batch_size, seqlen, 3, nheads, headdim).
 
     q, k and v are read in place through their strides, not copied, and the backward pass writes their
@@ -292,7 +353,7 @@ def flash_attn_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """flash_attn_func with k and v stacked in one tensor: kv (batch_size, seqlen_k, 2, nheads_k, headdim).
 
     k and v are read in place through their strides, and the backward pass writes their gradients into one
@@ -332,7 +393,7 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """flash_attn_func for a batch of sequences of different lengths, packed one after another without
     padding (cuteflash.bert_padding.unpad_input makes such a batch from a padded one).
 
@@ -352,12 +413,15 @@ def flash_attn_varlen_func(
             whole, more slowly; a bound far above the longest launches idle thread blocks.
         max_seqlen_k: int. The same for k and v.
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic: as flash_attn_func.
-        return_attn_probs: bool. Also return the log-sum-exp (for testing; no attention matrix is made).
+        return_attn_probs: bool. Also return the log-sum-exp and, with dropout, the attention probabilities
+            with the dropout mask (for testing: it reads cu_seqlens on the host).
         block_table: paged key/value caches; not implemented yet, only None is accepted.
     Return:
         out: (total_q, nheads, headdim). Rows of q outside every sequence are left undefined.
         softmax_lse [if return_attn_probs]: (nheads, total_q), float32.
-        None [if return_attn_probs]: in place of flash-attn's dropout mask.
+        S_dmask [if return_attn_probs]: with dropout_p > 0, (batch_size, nheads, max_seqlen_q_rounded,
+            max_seqlen_k_rounded), sequence b's probabilities at [b, :, :seqlen_q, :seqlen_k], encoded as
+            flash_attn_func's. Without dropout, None.
     """
     if block_table is not None:
         raise NotImplementedError(
@@ -392,7 +456,7 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """flash_attn_varlen_func with q, k and v stacked in one tensor: qkv (total, 3, nheads, headdim), and one
     set of offsets cu_seqlens (batch_size + 1,) and bound max_seqlen for queries and keys.
 
@@ -431,7 +495,7 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, None]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """flash_attn_varlen_func with k and v stacked in one tensor: kv (total_k, 2, nheads_k, headdim).
 
     k and v are read in place, and the backward pass writes their gradients into one tensor shaped like kv.

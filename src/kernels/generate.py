@@ -50,10 +50,12 @@ def kernel_source(direction: str, family: str, dtype: str, head_dim: int) -> str
 
 def probe_source(family: str) -> str:
     # cudaFuncGetAttributes on a kernel of the family fails unless the family's fat binary holds code
-    # this device can run: the run-time test that the family was compiled for this GPU.
+    # this device can run: the run-time test that the family was compiled for this GPU. The family's
+    # dropout mask kernel (for return_attn_probs) lives here too: one per family, not per head dim.
     return (
         HEADER
         + "#include <cuda_runtime.h>\n\n"
+        + '#include "cuteflash/dropout_mask.cuh"\n\n'
         + "namespace cuteflash {\n\n"
         + f"__global__ void probe_kernel_{family}() {{}}\n\n"
         + f"bool family_runs_{family}() {{\n"
@@ -61,6 +63,9 @@ def probe_source(family: str) -> str:
         + f"  bool ok = cudaFuncGetAttributes(&attr, probe_kernel_{family}) == cudaSuccess;\n"
         + "  cudaGetLastError();  // clear the error of a failed probe, or the next launch check reports it\n"
         + "  return ok;\n"
+        + "}\n\n"
+        + f"void dropout_mask_{family}(FwdParams const& p, uint8_t* keep, int rows, int cols, cudaStream_t stream) {{\n"
+        + "  launch_dropout_mask(p, keep, rows, cols, stream);\n"
         + "}\n\n}  // namespace cuteflash\n"
     )
 
@@ -68,11 +73,19 @@ def probe_source(family: str) -> str:
 def dispatch_source(kernels: list[tuple[str, str, str, int]], families: list[str]) -> str:
     lines = [HEADER, '#include "cuteflash/dispatch.h"\n', "namespace cuteflash {\n"]
     lines += [f"bool family_runs_{f}();" for f in families]
+    lines += [
+        f"void dropout_mask_{f}(FwdParams const& p, uint8_t* keep, int rows, int cols, cudaStream_t stream);"
+        for f in families
+    ]
     lines += [f"void {kernel_name(*k)}({DIRECTIONS[k[0]][0]} const& p, cudaStream_t stream);" for k in kernels]
     lines += ["", "bool family_runs(Family family) {", "  switch (family) {"]
     for f in families:
         lines += [f"    case Family::k{f.capitalize()}:", f"      return family_runs_{f}();"]
     lines += ["    default:", "      return false;", "  }", "}", ""]
+    lines += ["DropoutMaskFn find_dropout_mask(Family family) {", "  switch (family) {"]
+    for f in families:
+        lines += [f"    case Family::k{f.capitalize()}:", f"      return &dropout_mask_{f};"]
+    lines += ["    default:", "      return nullptr;", "  }", "}", ""]
 
     for direction, (_, fn_type) in DIRECTIONS.items():
         lines += [f"{fn_type} find_{direction}(Family family, DType dtype, int head_dim) {{", "  switch (family) {"]

@@ -19,6 +19,7 @@
 #pragma once
 
 #include "cuteflash/bwd_preprocess.cuh"
+#include "cuteflash/dropout.cuh"
 #include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/sm70/traits.h"
@@ -156,8 +157,19 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) prob[c] = key0 + c < key_limit ? prob[c] : 0.f;
     }
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) ds[c] = prob[c] * (ds[c] - row.d);
+    if constexpr (V == Variant::kDropout) {  // dS of the kept probabilities; dV's products take those (unscaled)
+      uint32_t keep_words[kCols / 2];
+      row_keep_words<kCols / 2, false>(Dropout::make(p, seq.batch, blockIdx.y), q_row, key0, keep_words);
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) {
+        const bool keep = dropout_keeps(keep_words[c / 2], c % 2, p.dropout_threshold);
+        ds[c] = prob[c] * ((keep ? ds[c] * p.dropout_scale : 0.f) - row.d);
+        prob[c] = keep ? prob[c] : 0.f;
+      }
+    } else {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) ds[c] = prob[c] * (ds[c] - row.d);
+    }
     if constexpr (V == Variant::kSoftcap) {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) ds[c] *= p.softcap * dtanh[c];
@@ -508,8 +520,9 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
                       p.head_dim - col0);
     }
     if (has_dv) {
-      store_tile_fp16(acc_dv[i], 1.f / p_scale(p), stage, dv + int64_t(row0) * p.dv.row_stride + col0, p.dv.row_stride,
-                      seq.seqlen_k - row0, p.head_dim - col0);
+      store_tile_fp16(acc_dv[i], (V == Variant::kDropout ? p.dropout_scale : 1.f) / p_scale(p), stage,
+                      dv + int64_t(row0) * p.dv.row_stride + col0, p.dv.row_stride, seq.seqlen_k - row0,
+                      p.head_dim - col0);
     }
   });
 }

@@ -13,6 +13,7 @@
 // and O = O / l at the end.
 #pragma once
 
+#include "cuteflash/dropout.cuh"
 #include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/sm70/traits.h"
@@ -208,6 +209,11 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     // 0 while O is still 0; exactly 1 where the max stays (so is O's rescale, and the warp skips it).
     const float alpha = m_new == m ? 1.f : exp2_approx(m * p.softmax_scale_log2 - m_scaled);
     const bool rescale = __any_sync(0xffffffff, m_new != m);
+    // kDropout: the keep bits of my part of the row, column pair k in keep_words[k] (in order, not rotated).
+    uint32_t keep_words[kColsPerLane / 2];
+    if constexpr (V == Variant::kDropout) {
+      row_keep_words<kColsPerLane / 2, true>(Dropout::make(p, seq.batch, head), q_row, col0, keep_words);
+    }
     float sum = 0.f;
     CUTE_UNROLL
     for (int i = 0; i < kQuads; ++i) {
@@ -216,6 +222,14 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
       for (int e = 0; e < 4; ++e) {
         prob[e] = exp2_approx(s[4 * i + e] * p.softmax_scale_log2 - (m_scaled - p_shift));  // masked: 0
         sum += prob[e];
+      }
+      if constexpr (V == Variant::kDropout) {  // after the row sum, which is of every probability
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int pair = 2 * i + e / 2;  // of quad (i + my_rotation) % kQuads:
+          const uint32_t word = my_rotation ? keep_words[(pair + 2) % (kColsPerLane / 2)] : keep_words[pair];
+          prob[e] = dropout_keeps(word, e % 2, p.dropout_threshold) ? prob[e] : 0.f;
+        }
       }
       const int at = my_row * Traits::kLdP + my_col0 + 4 * ((i + my_rotation) % kQuads);
       store_split<4>(prob, 1.f, p_hi + at, p_lo + at);
@@ -271,7 +285,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   // ---- Epilogue: O = O / l by rows (both in units of 2^p_shift P), stored through the scratch;
   // lse = m scale + log(l 2^-p_shift).
   const bool empty = l == 0.f;  // no visible key: O = 0, lse = +inf (as the sm80 kernel)
-  if (my_half == 0) alpha_rows[my_row] = empty ? 0.f : 1.f / l;
+  if (my_half == 0) alpha_rows[my_row] = empty ? 0.f : (V == Variant::kDropout ? p.dropout_scale : 1.f) / l;
   __syncwarp();
   auto* out = p.o.at<Element>(seq.batch, head, seq.q_row0);
   CUTE_UNROLL

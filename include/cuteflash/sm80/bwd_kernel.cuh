@@ -11,6 +11,7 @@
 #pragma once
 
 #include "cuteflash/bwd_preprocess.cuh"
+#include "cuteflash/dropout.cuh"
 #include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/sm80/fwd_kernel.cuh"
@@ -233,12 +234,30 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
       apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy<V>(p, seq));
     }
     scores_to_probs(s, lse_log2, p.softmax_scale_log2);
-    copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_s)), tPsP);
+    // kDropout: the probabilities that dropout keeps (a bit each), for P's copy and for dP.
+    const auto keep = [&] {
+      if constexpr (V == Variant::kDropout) {
+        return keep_mask(Dropout::make(p, seq.batch, head), tScS_rc, m_block * kBlockM, n_block * kBlockN);
+      } else {
+        return nullptr;
+      }
+    }();
+    if constexpr (V == Variant::kDropout) {  // dV's products take the kept probabilities (unscaled: see the end)
+      Tensor kept = make_fragment_like(acc_s);
+      Tensor kept_rc = make_tensor(kept.data(), s.layout());
+      CUTE_UNROLL
+      for (int i = 0; i < size(kept); ++i) kept(i) = acc_s(i);
+      apply_keep(kept_rc, keep, 1.f);
+      copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(kept)), tPsP);
+    } else {
+      copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_s)), tPsP);
+    }
 
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_dp);
     gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
-    Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));  // (rows, cols)
+    Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));          // (rows, cols)
+    if constexpr (V == Variant::kDropout) apply_keep(dp, keep, p.dropout_scale);  // the kept probabilities' gradient
     probs_to_grads(s, dp, d, p.softmax_scale);
     if constexpr (V == Variant::kSoftcap) apply_softcap_grad(dp, dtanh, p.softcap);
     copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_dp)), tdSsdS);
@@ -284,7 +303,11 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
   // ---- Epilogue: dK and dV through the shared memory of K and V; a key block no query sees gets zeros.
   Tensor gdK = head_rows<kBlockN, kHeadDim, Element>(p.dk, seq.batch, head, seq.k_row0).block(n_block);
   Tensor gdV = head_rows<kBlockN, kHeadDim, Element>(p.dv, seq.batch, head, seq.k_row0).block(n_block);
-  __syncthreads();  // no warp reads K or V any more
+  __syncthreads();                         // no warp reads K or V any more
+  if constexpr (V == Variant::kDropout) {  // dV's products took the kept probabilities without 1 / (1 - p)
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dv); ++i) acc_dv(i) *= p.dropout_scale;
+  }
   using Fwd = typename Traits::Fwd;
   store_acc_tile<Fwd, kBlockN>(acc_dk, mma_dkv, smem.k.data(), gdK, keys_left, p.head_dim, threadIdx.x);
   store_acc_tile<Fwd, kBlockN>(acc_dv, mma_dkv, smem.v.data(), gdV, keys_left, p.head_dim, threadIdx.x);
@@ -435,6 +458,10 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
       apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy<V>(p, seq));
     }
     scores_to_probs(s, lse_log2, p.softmax_scale_log2);
+    if constexpr (V == Variant::kDropout) {  // the gradient of the kept probabilities
+      apply_dropout(dp, Dropout::make(p, seq.batch, head), tScS_rc, m_block * kBlockM, n_block * kBlockN,
+                    p.dropout_scale);
+    }
     probs_to_grads(s, dp, d_row, p.softmax_scale);
     if constexpr (V == Variant::kSoftcap) apply_softcap_grad(dp, dtanh, p.softcap);
     Tensor rdS = convert_fragment<Element>(acc_dp);

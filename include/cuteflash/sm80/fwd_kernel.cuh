@@ -4,9 +4,11 @@
 // the last to the first (so the masked blocks come first and the rest run without a mask), keeping
 // the running softmax statistics and O in registers:
 //   S = Q K^T  ->  mask  ->  P = exp(scale (S - m)), rescale O and l  ->  O += P V
-// K of the next block loads while the softmax and P V of this one run; V loads while S is computed.
+// K of the next block loads while the softmax and P V of this one run; V loads while S is computed. With
+// dropout (kDropout), P's dropped entries are zeroed after the row sums and O is scaled by 1 / (1 - p) at the end.
 #pragma once
 
+#include "cuteflash/dropout.cuh"
 #include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/softmax.cuh"
@@ -211,6 +213,9 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 
     softmax.update(s, acc_o_rc, p.softmax_scale_log2);
     Tensor rP = convert_fragment<Element>(acc_s);
+    if constexpr (V == Variant::kDropout) {  // after the row sums, which are of every probability
+      apply_dropout_packed(rP, Dropout::make(p, seq.batch, head), tScS_rc, m_block * kBlockM, n_block * kBlockN);
+    }
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));  // (MMA, MMA_M, MMA_K over keys)
     gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
   };
@@ -227,6 +232,10 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   // ---- Epilogue: O /= l, lse = m * scale + log(l); O goes through shared memory for 16-byte stores.
   float row_lse[kRows];
   softmax.finalize(acc_o_rc, p.softmax_scale, row_lse);
+  if constexpr (V == Variant::kDropout) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= p.dropout_scale;
+  }
   Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
   if (get<1>(tOcO_rc(0, 0)) == 0) {  // the first thread of each quad writes the quad's rows

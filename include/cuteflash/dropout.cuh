@@ -1,0 +1,196 @@
+// Dropout on the attention probabilities, the same mask in every kernel that needs it.
+//
+// The mask is a function of the call's random state (params.h's rng_state: a 64-bit counter base, drawn by
+// the caller from torch's CUDA generator) and of an element's place: batch index, head, and row and column
+// inside its sequence. It is computed in units of four elements, rows i and i + 8 (i % 16 < 8) by columns j
+// and j + 1 (j even): the four that a thread holds together in an mma.sync m16n8 accumulator. A unit is one
+// Philox-2x32-10 draw (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011) of two 32-bit
+// words at the 64-bit counter base + unit number, under a fixed key (the randomness is all in the counter,
+// and a constant key schedule costs no instructions): word w holds row i + 8 w, its low 16 bits column j
+// and its high 16 bits column j + 1. An element is kept where the 14 low bits of its 16 are below
+// dropout_threshold. Units
+// are numbered row-pair-major over a (batch, head)'s rows and columns: rows and columns of the batch's
+// sequences (fixed length) or of its whole operands (variable length, whose sequences may exceed the
+// caller's bounds), so that no two elements of a call share a draw.
+#pragma once
+
+#include <cstdint>
+
+#include "cuteflash/params.h"
+#include "cuteflash/utils.cuh"
+
+namespace cuteflash {
+
+constexpr uint32_t kPhiloxKey = 0x2545F491u;
+
+// Philox-2x32 with 10 rounds on counter (lo, hi) and key `key`: a round is one IMAD.WIDE.U32 and one LOP3 with
+// a constant key (the product's halves as __umulhi and a multiply: written as a 64-bit product, nvcc adds an
+// instruction per round).
+__device__ __forceinline__ uint2 philox2x32_10(uint32_t lo, uint32_t hi, uint32_t key) {
+  constexpr uint32_t kMultiplier = 0xD256D193u;
+  CUTE_UNROLL
+  for (int round = 0; round < 10; ++round) {
+    const uint32_t next_lo = __umulhi(kMultiplier, lo) ^ key ^ hi;
+    hi = kMultiplier * lo;
+    lo = next_lo;
+    key += 0x9E3779B9u;
+  }
+  return {lo, hi};
+}
+
+// Whether the element of 16 bits `half` (0: low, 1: high) of a draw's word is kept: its 14 low bits are below
+// threshold (at most 2^14).
+__device__ __forceinline__ bool dropout_keeps(uint32_t word, int half, uint32_t threshold) {
+  return ((half ? word >> 16 : word) & 0x3FFFu) < threshold;
+}
+
+// dropout_keeps for both halves of a word at once: 0xFFFF in each 16-bit half that is kept, 0 in the others.
+// 14 bits read as an fp16 are a non-negative finite number, ordered as the integers, so one f16x2 comparison
+// with the threshold in both halves (threshold2; 2^14 is fp16's 2.0) decides both.
+__device__ __forceinline__ uint32_t dropout_keep_halves(uint32_t word, uint32_t threshold2) {
+  uint32_t mask;
+  asm("set.lt.u32.f16x2 %0, %1, %2;" : "=r"(mask) : "r"(word & 0x3FFF3FFFu), "r"(threshold2));
+  return mask;
+}
+
+struct Dropout {
+  uint64_t head_counter;  // the counter of the (batch, head)'s unit 0
+  uint32_t col_units;     // units per row pair
+  uint32_t threshold;
+
+  // The mask of batch index `batch` (its sequence in a variable-length batch) and head `head`.
+  __device__ __forceinline__ static Dropout make(FwdParams const& p, int batch, int head) {
+    const bool varlen = p.cu_seqlens_q != nullptr;
+    const uint64_t row_units = uint64_t((varlen ? p.total_q : p.seqlen_q) + 15) / 16 * 8;
+    const uint32_t col_units = uint32_t((varlen ? p.total_k : p.seqlen_k) + 1) / 2;
+    return {*p.rng_state + (uint64_t(batch) * p.nheads + head) * row_units * col_units, col_units, p.dropout_threshold};
+  }
+
+  // The counter of the units of rows (row, row + 8) of the sequence (row % 16 < 8): add the column / 2.
+  __device__ __forceinline__ uint64_t row_counter(int row) const {
+    return head_counter + uint64_t(row / 16 * 8 + row % 8) * col_units;
+  }
+
+  // The draw of the unit at rows (row, row + 8), columns (col, col + 1), from row_counter(row).
+  __device__ __forceinline__ uint2 draw(uint64_t row_counter, int col) const {
+    const uint64_t counter = row_counter + uint32_t(col) / 2;
+    return philox2x32_10(uint32_t(counter), uint32_t(counter >> 32), kPhiloxKey);
+  }
+
+  __device__ __forceinline__ bool keeps(uint32_t word, int half) const { return dropout_keeps(word, half, threshold); }
+};
+
+// The keep bits of kPairs column pairs of one row: word[k] for columns col0 + 2 k (low 16 bits, for keeps) and
+// col0 + 2 k + 1 (high 16 bits); col0 even. kPaired: lane ^ 8 of the warp holds row ^ 8 with the same columns,
+// so that each of the two draws half of the units and they trade the other row's words (kPairs even).
+template <int kPairs, bool kPaired>
+__device__ __forceinline__ void row_keep_words(Dropout const& dropout, int row, int col0, uint32_t (&word)[kPairs]) {
+  const bool second = row & 8;  // the unit's second row
+  const uint64_t counter = dropout.row_counter(row & ~8);
+  if constexpr (kPaired) {
+    static_assert(kPairs % 2 == 0);
+    CUTE_UNROLL
+    for (int k = 0; k < kPairs; k += 2) {
+      const uint2 draw = dropout.draw(counter, col0 + 2 * (k + int(second)));  // pair k + second
+      const uint32_t mine = second ? draw.y : draw.x;
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, second ? draw.x : draw.y, 8);  // pair k + !second
+      word[k] = second ? got : mine;
+      word[k + 1] = second ? mine : got;
+    }
+  } else {
+    CUTE_UNROLL
+    for (int k = 0; k < kPairs; ++k) {
+      const uint2 draw = dropout.draw(counter, col0 + 2 * k);
+      word[k] = second ? draw.y : draw.x;
+    }
+  }
+}
+
+// Calls f(mi, ni, kept) for each element of a thread's (rows, cols) view of an m16n8 accumulator tile, kept:
+// whether dropout keeps it. coord gives (row, col) in the tile whose first row and key are row0 and col0, as
+// the accumulator's layout pairs them: rows 2 m and 2 m + 1 are 8 apart, columns 2 n and 2 n + 1 adjacent.
+template <typename CoordTensor, typename F>
+__device__ __forceinline__ void for_each_kept(Dropout const& dropout, CoordTensor const& coord, int row0, int col0,
+                                              F const& f) {
+  constexpr int kRows = decltype(size<0>(coord))::value, kCols = decltype(size<1>(coord))::value;
+  static_assert(kRows % 2 == 0 && kCols % 2 == 0);
+  CUTE_UNROLL
+  for (int m = 0; m < kRows / 2; ++m) {
+    const uint64_t counter = dropout.row_counter(row0 + get<0>(coord(2 * m, 0)));
+    CUTE_UNROLL
+    for (int n = 0; n < kCols / 2; ++n) {
+      const uint2 draw = dropout.draw(counter, col0 + get<1>(coord(0, 2 * n)));
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) f(2 * m + e / 2, 2 * n + e % 2, dropout.keeps(e < 2 ? draw.x : draw.y, e % 2));
+    }
+  }
+}
+
+// P with the elements that dropout drops zeroed, P an m16n8 accumulator fragment (MMA, MMA_M, MMA_N) converted
+// to a 16-bit type: each atom's two registers hold its rows 0 and 8's two columns, the halves of the unit's
+// words. coord: the fp32 fragment's (rows, cols) coordinates, as for for_each_kept.
+template <typename PTensor, typename CoordTensor>
+__device__ __forceinline__ void apply_dropout_packed(PTensor& p, Dropout const& dropout, CoordTensor const& coord,
+                                                     int row0, int col0) {
+  Tensor words = recast<uint32_t>(p);  // (2, MMA_M, MMA_N)
+  static_assert(decltype(size<0>(words))::value == 2);
+  const uint32_t threshold2 = dropout.threshold * 0x10001u;
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(words); ++m) {
+    const uint64_t counter = dropout.row_counter(row0 + get<0>(coord(2 * m, 0)));
+    CUTE_UNROLL
+    for (int n = 0; n < size<2>(words); ++n) {
+      const uint2 draw = dropout.draw(counter, col0 + get<1>(coord(0, 2 * n)));
+      words(0, m, n) &= dropout_keep_halves(draw.x, threshold2);
+      words(1, m, n) &= dropout_keep_halves(draw.y, threshold2);
+    }
+  }
+}
+
+// x(mi, ni) = kept ? x(mi, ni) * scale : 0 on a (rows, cols) view x with coordinates coord (for_each_kept).
+template <typename Tensor, typename CoordTensor>
+__device__ __forceinline__ void apply_dropout(Tensor& x, Dropout const& dropout, CoordTensor const& coord, int row0,
+                                              int col0, float scale) {
+  for_each_kept(dropout, coord, row0, col0,
+                [&](int mi, int ni, bool kept) { x(mi, ni) = kept ? x(mi, ni) * scale : 0.f; });
+}
+
+// Which elements of a (rows, cols) view with coordinates coord dropout keeps (for_each_kept), a bit each, for
+// kernels that use the mask twice.
+template <int kRows, int kCols>
+struct KeepMask {
+  static constexpr int kWords = (kRows * kCols + 31) / 32;
+  uint32_t bits[kWords];
+
+  template <typename CoordTensor>
+  __device__ __forceinline__ KeepMask(Dropout const& dropout, CoordTensor const& coord, int row0, int col0) {
+    CUTE_UNROLL
+    for (int w = 0; w < kWords; ++w) bits[w] = 0;
+    for_each_kept(dropout, coord, row0, col0, [&](int mi, int ni, bool kept) {
+      const int i = mi * kCols + ni;
+      bits[i / 32] |= uint32_t(kept) << (i % 32);
+    });
+  }
+
+  __device__ __forceinline__ bool operator()(int mi, int ni) const {
+    const int i = mi * kCols + ni;
+    return (bits[i / 32] >> (i % 32)) & 1u;
+  }
+};
+
+template <typename CoordTensor>
+__device__ __forceinline__ auto keep_mask(Dropout const& dropout, CoordTensor const& coord, int row0, int col0) {
+  return KeepMask<decltype(size<0>(coord))::value, decltype(size<1>(coord))::value>(dropout, coord, row0, col0);
+}
+
+// x(mi, ni) = keep(mi, ni) ? x(mi, ni) * scale : 0 on a (rows, cols) view.
+template <typename Tensor, int kRows, int kCols>
+__device__ __forceinline__ void apply_keep(Tensor& x, KeepMask<kRows, kCols> const& keep, float scale) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < kCols; ++ni) x(mi, ni) = keep(mi, ni) ? x(mi, ni) * scale : 0.f;
+  }
+}
+
+}  // namespace cuteflash

@@ -1,0 +1,41 @@
+// The dropout mask of a whole call as bytes, for return_attn_probs (dropout.cuh draws it). Included by each
+// family's probe source (src/kernels/generate.py), each compiled for its own targets: kernel and launcher have
+// internal linkage, so that each family calls its own.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuteflash/dropout.cuh"
+
+namespace cuteflash {
+
+// The mask of a whole call, for return_attn_probs: keep[((b * nheads + h) * rows + i) * cols + j] = 1 where
+// element (i, j) of (batch index b, head h) is kept, for i < rows, j < cols (even sizes); a thread per unit.
+static __global__ void dropout_mask_kernel(const FwdParams p, uint8_t* keep, int rows, int cols) {
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int64_t units = int64_t(rows / 2) * (cols / 2);
+  const Dropout dropout = Dropout::make(p, b, h);
+  uint8_t* out = keep + (int64_t(b) * p.nheads + h) * rows * cols;
+  for (int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; u < units; u += int64_t(gridDim.x) * blockDim.x) {
+    const int pair = int(u / (cols / 2)), col = int(u % (cols / 2)) * 2;
+    const int row = pair / 8 * 16 + pair % 8;  // the pair's upper row
+    const uint2 draw = dropout.draw(dropout.row_counter(row), col);
+    CUTE_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int r = row + 8 * (e / 2), c = col + e % 2;
+      if (r < rows) out[int64_t(r) * cols + c] = dropout.keeps(e < 2 ? draw.x : draw.y, e % 2);
+    }
+  }
+}
+
+static void launch_dropout_mask(FwdParams const& p, uint8_t* keep, int rows, int cols, cudaStream_t stream) {
+  const int64_t units = int64_t(rows / 2) * (cols / 2);
+  const dim3 grid(unsigned(std::min<int64_t>((units + 255) / 256, 1024)), p.nheads, p.batch);
+  dropout_mask_kernel<<<grid, 256, 0, stream>>>(p, keep, rows, cols);
+  check_cuda(cudaGetLastError(), "launching the dropout mask kernel");
+}
+
+}  // namespace cuteflash
