@@ -62,6 +62,12 @@ struct ScoreMods {
   __device__ __forceinline__ float bias(float dist) const { return -alibi * fabsf(dist); }
 };
 
+// The softcap's tanh(S softcap) (params.h) as a function, for OnlineSoftmax::update.
+struct Softcap {
+  float softcap;
+  __device__ __forceinline__ float operator()(float s) const { return tanh_fast(s * softcap); }
+};
+
 // ScoreMods on each score of a (rows, cols) view s with coord giving (row, col) in the tile whose first row and
 // key are row0 and col0, for a kernel of variant V (sequence.cuh: the softcap only in kSoftcap); dtanh (like s,
 // or nullptr_t) receives the softcap's factors for the backward pass.
@@ -89,6 +95,32 @@ __device__ __forceinline__ void apply_score_mods(STensor& s, CoordTensor const& 
       for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) += mods.bias(dist0 - float(get<1>(coord(mi, ni)) - col_first));
     }
   }
+}
+
+// One step of a kernel's main loop over the blocks of `blocks`: step(block, masked, no_alibi), both flags
+// compile-time, the mask only where blocks.masked(block) says and ALiBi only in a call with slopes (no_alibi
+// drops it from the step's ScoreMods). Each combination is a copy of the step (which must be always_inline),
+// because nvcc issues an option's work in a step that has it behind a run-time test, predicated off, in every
+// step rather than branching around it; a block that needs the mask runs the copy with every option.
+// kAlibiApart = false: two copies, ALiBi tested at run time in both.
+template <Variant V, bool kAlibiApart = true, typename Step>
+__device__ __forceinline__ void step_with_options(FwdParams const& p, BlockRange const& blocks, int block,
+                                                  Step&& step) {
+  if (blocks.masked(block)) {
+    step(block, cute::true_type{}, cute::false_type{});
+  } else if (has_options(V) && (!kAlibiApart || p.alibi_slopes != nullptr)) {
+    step(block, cute::false_type{}, cute::false_type{});
+  } else {
+    step(block, cute::false_type{}, cute::true_type{});
+  }
+}
+
+// The ScoreMods of a step of step_with_options.
+template <typename NoAlibi>
+__device__ __forceinline__ ScoreMods step_score_mods(FwdParams const& p, Sequence const& seq, int head, NoAlibi) {
+  ScoreMods mods = ScoreMods::make(p, seq, head);
+  if constexpr (NoAlibi::value) mods.alibi = 0.f;
+  return mods;
 }
 
 // s: scores in (rows, cols) view; coord: the matching (row, col) positions inside the tile.

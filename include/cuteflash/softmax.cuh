@@ -2,6 +2,8 @@
 // output accumulator rescaled whenever m grows. Works on (rows, cols) views of MMA accumulators.
 #pragma once
 
+#include <type_traits>
+
 #include "cuteflash/utils.cuh"
 
 namespace cuteflash {
@@ -13,6 +15,10 @@ __device__ __forceinline__ float row_reduce(Tensor const& t, int mi, float init,
   for (int ni = 0; ni < size<1>(t); ++ni) init = op(init, t(mi, ni));
   return init;
 }
+
+struct Identity {
+  __device__ __forceinline__ float operator()(float x) const { return x; }
+};
 
 template <int kRows>
 struct OnlineSoftmax {
@@ -31,12 +37,19 @@ struct OnlineSoftmax {
   // Each phase runs over all rows before the next, so that the rows' dependency chains interleave (10 %
   // faster than one row at a time, causal d=128 on H200). The row reductions are sequential: balanced
   // trees are 7 % slower at d=64.
-  template <typename STensor, typename OTensor>
-  __device__ __forceinline__ void update(STensor& s, OTensor& acc_o, float scale_log2) {
+  //
+  // With a non-decreasing f (the softcap's tanh, mask.cuh), the scores are f(S): their row maxima are those of S
+  // through f, so that f runs beside the exponential on each score rather than all its results being held for the
+  // maxima (which spilled at head dim 128). A masked score (-inf) needs f applied before: f is for unmasked blocks.
+  template <typename STensor, typename OTensor, typename F = Identity>
+  __device__ __forceinline__ void update(STensor& s, OTensor& acc_o, float scale_log2, F f = {}) {
     static_assert(decltype(size<0>(s))::value == kRows);
     float m_new[kRows];
     CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) m_new[mi] = row_reduce(s, mi, m[mi], MaxOp{});
+    for (int mi = 0; mi < kRows; ++mi) {
+      m_new[mi] = std::is_same_v<F, Identity> ? row_reduce(s, mi, m[mi], MaxOp{})
+                                              : MaxOp{}(m[mi], f(row_reduce(s, mi, -INFINITY, MaxOp{})));
+    }
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) m_new[mi] = quad_allreduce(m_new[mi], MaxOp{});
     float m_scaled[kRows];
@@ -53,7 +66,7 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2_approx(s(mi, ni) * scale_log2 - m_scaled[mi]);
+      for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2_approx(f(s(mi, ni)) * scale_log2 - m_scaled[mi]);
     }
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) l[mi] = row_reduce(s, mi, l[mi], SumOp{});

@@ -20,14 +20,21 @@
 
 namespace cuteflash::sm80 {
 
-// In place on a (rows, cols) view of S: P = exp(scale S - lse). lse_log2 is lse * log2(e) per row (+inf
-// for rows past seqlen_q: P = 0).
-template <typename STensor, int kRows>
-__device__ __forceinline__ void scores_to_probs(STensor& s, float const (&lse_log2)[kRows], float scale_log2) {
+// In place on a (rows, cols) view of S in a step of step_with_options (mask.cuh): the options' changes (the
+// softcap's factors into dtanh), the mask where the block needs it, then P = exp(scale S - lse). coord: (row, col)
+// of each score in the tile whose first query row and key are row0 and col0; lse_log2: lse * log2(e) per row
+// (+inf for rows past seqlen_q: P = 0).
+template <Variant V, typename STensor, typename DTanh, typename Coord, int kRows, typename Masked, typename NoAlibi>
+__device__ __forceinline__ void scores_to_probs(STensor& s, DTanh& dtanh, Coord const& coord, int row0, int col0,
+                                                BwdParams const& p, Sequence const& seq, int head,
+                                                float const (&lse_log2)[kRows], Masked, NoAlibi no_alibi) {
+  if constexpr (has_options(V))
+    apply_score_mods<V>(s, coord, row0, col0, step_score_mods(p, seq, head, no_alibi), dtanh);
+  if constexpr (Masked::value) apply_mask(s, coord, row0, col0, mask_policy<V>(p, seq));
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
     CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2_approx(s(mi, ni) * scale_log2 - lse_log2[mi]);
+    for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2_approx(s(mi, ni) * p.softmax_scale_log2 - lse_log2[mi]);
   }
 }
 
@@ -204,11 +211,9 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
   Tensor tdQsKt = thr_b_dq.partition_S(sKt);
 
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
-  // One loop with a uniform branch for the mask, not a lambda instantiated twice as in the forward
-  // kernel: at head dim 256 nvcc does not inline such a lambda, and every fragment it captures goes to
-  // local memory.
   int q_stage = 0;
-  for (int m_block = queries.begin; m_block < queries.end; ++m_block) {
+  // A step of step_with_options (mask.cuh), always_inline as the forward kernel's.
+  auto step = [&](int m_block, auto masked, auto no_alibi) __attribute__((always_inline)) {
     const bool has_next = m_block + 1 < queries.end;
     cp_async_wait<0>();
     __syncthreads();  // Q and dO of this block (and K, V) are in shared memory
@@ -227,13 +232,8 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
     // P, in place; rows past seqlen_q get lse = +inf: P = 0.
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
     Tensor dtanh = make_fragment_like(s);  // kSoftcap: the softcap's 1 - tanh^2 (dead code otherwise)
-    if constexpr (has_options(V)) {
-      apply_score_mods<V>(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, ScoreMods::make(p, seq, head), dtanh);
-    }
-    if (queries.masked(m_block)) {
-      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy<V>(p, seq));
-    }
-    scores_to_probs(s, lse_log2, p.softmax_scale_log2);
+    scores_to_probs<V>(s, dtanh, tScS_rc, m_block * kBlockM, n_block * kBlockN, p, seq, head, lse_log2, masked,
+                       no_alibi);
     // kDropout: the probabilities that dropout keeps (a bit each), for P's copy and for dP.
     const auto keep = [&] {
       if constexpr (V == Variant::kDropout) {
@@ -297,7 +297,8 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
       }
     }
     q_stage ^= kQStages - 1;
-  }
+  };
+  for (int m_block = queries.begin; m_block < queries.end; ++m_block) step_with_options<V>(p, queries, m_block, step);
   cp_async_wait<0>();
 
   // ---- Epilogue: dK and dV through the shared memory of K and V; a key block no query sees gets zeros.
@@ -433,7 +434,8 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
   float lse_log2[kRows], d_row[kRows];
   load_row_stats(p, seq.stats(p, head), seq.seqlen_q, m_block * kBlockM, tScS_rc, lse_log2, d_row);
 
-  for (int n_block = keys.end - 1; n_block >= keys.begin; --n_block) {
+  // A step of step_with_options (mask.cuh), always_inline as the forward kernel's.
+  auto step = [&](int n_block, auto masked, auto no_alibi) __attribute__((always_inline)) {
     __syncthreads();  // no warp still reads the previous K and V
     int keys_left = seq.seqlen_k - n_block * kBlockN;
     copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gK.block(n_block)), tKsK, tKVcKV, keys_left, p.head_dim);
@@ -451,13 +453,8 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
     Tensor dtanh = make_fragment_like(s);  // kSoftcap: the softcap's 1 - tanh^2 (dead code otherwise)
-    if constexpr (has_options(V)) {
-      apply_score_mods<V>(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, ScoreMods::make(p, seq, head), dtanh);
-    }
-    if (keys.masked(n_block)) {
-      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy<V>(p, seq));
-    }
-    scores_to_probs(s, lse_log2, p.softmax_scale_log2);
+    scores_to_probs<V>(s, dtanh, tScS_rc, m_block * kBlockM, n_block * kBlockN, p, seq, head, lse_log2, masked,
+                       no_alibi);
     if constexpr (V == Variant::kDropout) {  // the gradient of the kept probabilities
       apply_dropout(dp, Dropout::make(p, seq.batch, head), tScS_rc, m_block * kBlockM, n_block * kBlockN,
                     p.dropout_scale);
@@ -467,6 +464,10 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
     Tensor rdS = convert_fragment<Element>(acc_dp);
     Tensor tdQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));  // (MMA, MMA_M, MMA_K over keys)
     gemm_rs(acc_dq, tdQrdS, tdQrKt, tdQsKt, tiled_mma, copy_bt, thr_bt);
+  };
+  // Two copies of the step: with a third (no ALiBi), the head-dim-256 kernel with dropout spilled 700 bytes.
+  for (int n_block = keys.end - 1; n_block >= keys.begin; --n_block) {
+    step_with_options<V, false>(p, keys, n_block, step);
   }
 
   __syncthreads();  // no warp reads Q any more (the loop ran at least once: every copy has landed)

@@ -189,7 +189,9 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
   OnlineSoftmax<kRows> softmax;
 
-  auto step = [&](int n_block, auto masked) {
+  // always_inline: a step the compiler does not inline (it is instantiated up to three times) keeps the fragments
+  // it captures in local memory.
+  auto step = [&](int n_block, auto masked, auto no_alibi) __attribute__((always_inline)) {
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
     clear(acc_s);
     cp_async_wait<0>();
@@ -198,20 +200,25 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_thr_q, smem_copy_k, smem_thr_k);
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
-    if constexpr (has_options(V)) {
-      apply_score_mods<V>(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, ScoreMods::make(p, seq, head), nullptr);
+    // Without a mask or ALiBi, the softcap is the softmax's (OnlineSoftmax::update).
+    constexpr bool kSoftcapInSoftmax = V == Variant::kSoftcap && !decltype(masked)::value && decltype(no_alibi)::value;
+    if constexpr (has_options(V) && !kSoftcapInSoftmax) {
+      apply_score_mods<V>(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, step_score_mods(p, seq, head, no_alibi),
+                          nullptr);
     }
     if constexpr (decltype(masked)::value) {
-      if (!has_options(V) || keys.masked(n_block)) {
-        apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy<V>(p, seq));
-      }
+      apply_mask(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy<V>(p, seq));
     }
 
     cp_async_wait<0>();
     __syncthreads();  // V[n_block] is in sV, and no warp still reads sK
     if (n_block > keys.begin) load_kv(gK, tKsK, n_block - 1);
 
-    softmax.update(s, acc_o_rc, p.softmax_scale_log2);
+    if constexpr (kSoftcapInSoftmax) {
+      softmax.update(s, acc_o_rc, p.softmax_scale_log2, Softcap{p.softcap});
+    } else {
+      softmax.update(s, acc_o_rc, p.softmax_scale_log2);
+    }
     Tensor rP = convert_fragment<Element>(acc_s);
     if constexpr (V == Variant::kDropout) {  // after the row sums, which are of every probability
       apply_dropout_packed(rP, Dropout::make(p, seq.batch, head), tScS_rc, m_block * kBlockM, n_block * kBlockN);
@@ -220,13 +227,11 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
   };
   if constexpr (has_options(V)) {
-    // One call of step, which masks where keys.masked says: called from three loops (masked, unmasked, masked)
-    // with the options' work in it, the lambda was not inlined, and every fragment it captures went to local
-    // memory.
-    for (; n_block >= keys.begin; --n_block) step(n_block, cute::true_type{});
+    // A window's masked blocks are at both ends of the range: one loop, which picks the step's copy per block.
+    for (; n_block >= keys.begin; --n_block) step_with_options<V>(p, keys, n_block, step);
   } else {  // keys.begin == keys.unmasked_begin
-    for (; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{});
-    for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{});
+    for (; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{}, cute::true_type{});
+    for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{}, cute::true_type{});
   }
 
   // ---- Epilogue: O /= l, lse = m * scale + log(l); O goes through shared memory for 16-byte stores.
