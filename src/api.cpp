@@ -177,6 +177,15 @@ bool fill_fwd_params(FwdParams& p, DType dtype, Operand const& q, Operand const&
   return true;
 }
 
+// Throws unless the family's code in this module runs on the current device.
+void require_family_runs(Family family) {
+  if (!family_runs(family)) {
+    throw std::runtime_error(std::string("cuteflash: the ") + family_name(family) +
+                             " kernels were not compiled for this GPU (or no CUDA GPU is usable); rebuild with "
+                             "TORCH_CUDA_ARCH_LIST naming its compute capability");
+  }
+}
+
 template <typename Fn>
 Fn require_kernel(Fn launch, Family family, char const* direction, int head_dim) {
   const std::string name = family_name(family);
@@ -184,11 +193,7 @@ Fn require_kernel(Fn launch, Family family, char const* direction, int head_dim)
                                  std::to_string(round_up_head_dim(head_dim)) +
                                  " and this dtype was compiled in; rebuild with CUTEFLASH_HEADDIMS / CUTEFLASH_DTYPES "
                                  "/ CUTEFLASH_DIRECTIONS including it");
-  if (!family_runs(family)) {
-    throw std::runtime_error("cuteflash: the " + name +
-                             " kernels were not compiled for this GPU (or no CUDA GPU is usable); rebuild with "
-                             "TORCH_CUDA_ARCH_LIST naming its compute capability");
-  }
+  require_family_runs(family);
   return launch;
 }
 
@@ -301,9 +306,7 @@ void dropout_mask(std::string const& family_name, uintptr_t keep, int rows, int 
   if (batch == 0 || rows == 0 || cols == 0) return;
   DropoutMaskFn launch = find_dropout_mask(family);
   require(launch != nullptr, std::string("no ") + family_name + " kernels were compiled in");
-  if (!family_runs(family)) {
-    throw std::runtime_error("cuteflash: the " + family_name + " kernels were not compiled for this GPU");
-  }
+  require_family_runs(family);
   launch(p, reinterpret_cast<uint8_t*>(keep), rows, cols, reinterpret_cast<cudaStream_t>(stream));
 }
 
