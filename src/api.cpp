@@ -78,7 +78,7 @@ void fill_dropout(FwdParams& p, double dropout_p, uintptr_t rng_state) {
   if (dropout_p == 0.0) return;
   require(rng_state != 0 && rng_state % 8 == 0, "dropout needs rng_state, an aligned int64 on the device");
   p.rng_state = reinterpret_cast<uint64_t const*>(rng_state);
-  p.dropout_threshold = uint32_t(std::lround((1.0 - dropout_p) * 16384.0));
+  p.dropout_threshold = uint32_t(std::lround((1.0 - dropout_p) * 256.0));
   p.dropout_scale = float(1.0 / (1.0 - dropout_p));
 }
 

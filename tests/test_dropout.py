@@ -50,7 +50,7 @@ def _check(q, k, v, dropout_p, assert_close_2x, deterministic=False, **options):
 @pytest.mark.parametrize("dropout_p", [0.1, 0.5])
 def test_kept_fraction(dropout_p, make_qkv, require_support):
     """On 2 x 8 x 1024 x 1024 scores, the kept fraction is within 1 % of 1 - p, and so is that of each place in
-    the four-element units the mask is drawn in, of each head and of the first and last rows; the heads' masks
+    the eight-element units the mask is drawn in, of each head and of the first and last rows; the heads' masks
     differ."""
     require_support(torch.float16)
     q, k, v = make_qkv(2, 1024, 1024, 8, 8, 64, torch.float16)
@@ -62,9 +62,11 @@ def test_kept_fraction(dropout_p, make_qkv, require_support):
         assert abs(x.mean().item() - target) <= 0.01 * target, f"{name}: kept {x.mean().item():.4f}, want {target}"
 
     assert_fraction("all", kept)
+    # (b, h, i / 16, i / 8 % 2, i % 8, j / 16, j / 8 % 2, j % 8 / 2, j % 2): a place is (i / 8 % 2, its byte)
+    units = kept.unflatten(3, (-1, 2, 4, 2)).unflatten(2, (-1, 2, 8))
     for r in range(2):
-        for c in range(2):
-            assert_fraction(f"unit place ({r}, {c})", kept.unflatten(2, (-1, 2, 8))[:, :, :, r, :, c::2])
+        for c in range(4):
+            assert_fraction(f"unit place ({r}, {c})", units[:, :, :, r, :, :, c // 2, :, c % 2])
     for h in range(8):
         assert_fraction(f"head {h}", kept[:, h])
     assert_fraction("first rows", kept[:, :, :64])
@@ -210,7 +212,8 @@ def test_softcap_with_dropout_is_not_implemented():
 
 def test_mask_is_philox(require_support):
     """The mask kernel's bits are those of Philox-2x32-10 (checked against Random123's known answer) at the
-    counters include/cuteflash/dropout.cuh documents: a unit is rows (i, i + 8) x columns (j, j + 1)."""
+    counters include/cuteflash/dropout.cuh documents: a unit is rows (i, i + 8) x columns (j, j + 1, j + 8,
+    j + 9), a byte per element."""
     require_support()
 
     def philox(lo, hi, key, rounds=10):
@@ -225,11 +228,11 @@ def test_mask_is_philox(require_support):
     rng_state = torch.tensor([base - 2**64], dtype=torch.int64, device="cuda")
     batch, nheads, seqlen_q, seqlen_k = 2, 3, 40, 30
     keep = _ops.dropout_mask(rng_state, p, batch, nheads, seqlen_q, seqlen_k, None, 0, 0).cpu()
-    threshold = round((1 - p) * 16384)
-    row_units, col_units = (seqlen_q + 15) // 16 * 8, (seqlen_k + 1) // 2
-    for b, h, i, j in [(0, 0, 0, 0), (0, 0, 9, 3), (1, 2, 39, 29), (1, 1, 17, 12), (0, 2, 24, 0)]:
-        unit = ((b * nheads + h) * row_units + i // 16 * 8 + i % 8) * col_units + j // 2
+    threshold = round((1 - p) * 256)
+    row_units, col_units = (seqlen_q + 15) // 16 * 8, (seqlen_k + 15) // 16 * 4
+    for b, h, i, j in [(0, 0, 0, 0), (0, 0, 9, 3), (1, 2, 39, 29), (1, 1, 17, 12), (0, 2, 24, 0), (1, 0, 30, 26)]:
+        unit = ((b * nheads + h) * row_units + i // 16 * 8 + i % 8) * col_units + j // 16 * 4 + j % 8 // 2
         counter = (base + unit) % 2**64
         words = philox(counter & 0xFFFFFFFF, counter >> 32, 0x2545F491)
-        bits = (words[(i // 8) % 2] >> (16 * (j % 2))) & 0x3FFF
-        assert bool(keep[b, h, i, j]) == (bits < threshold), (b, h, i, j)
+        byte = (words[(i // 8) % 2] >> (8 * (j % 2 + 2 * (j // 8 % 2)))) & 0xFF
+        assert bool(keep[b, h, i, j]) == (byte < threshold), (b, h, i, j)

@@ -2,16 +2,16 @@
 //
 // The mask is a function of the call's random state (params.h's rng_state: a 64-bit counter base, drawn by
 // the caller from torch's CUDA generator) and of an element's place: batch index, head, and row and column
-// inside its sequence. It is computed in units of four elements, rows i and i + 8 (i % 16 < 8) by columns j
-// and j + 1 (j even): the four that a thread holds together in an mma.sync m16n8 accumulator. A unit is one
-// Philox-2x32-10 draw (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011) of two 32-bit
-// words at the 64-bit counter base + unit number, under a fixed key (the randomness is all in the counter,
-// and a constant key schedule costs no instructions): word w holds row i + 8 w, its low 16 bits column j
-// and its high 16 bits column j + 1. An element is kept where the 14 low bits of its 16 are below
-// dropout_threshold. Units
-// are numbered row-pair-major over a (batch, head)'s rows and columns: rows and columns of the batch's
-// sequences (fixed length) or of its whole operands (variable length, whose sequences may exceed the
-// caller's bounds), so that no two elements of a call share a draw.
+// inside its sequence. It is computed in units of eight elements, rows i and i + 8 (i % 16 < 8) by columns
+// j, j + 1, j + 8 and j + 9 (j % 16 < 8, j even): what a thread holds of two neighbouring m16n8 accumulator
+// tiles. A unit is one Philox-2x32-10 draw (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
+// SC 2011) of two 32-bit words at the 64-bit counter base + unit number, under a fixed key (the randomness is
+// all in the counter, and a constant key schedule costs no instructions): word w holds row i + 8 w, a byte per
+// column in the order j, j + 1, j + 8, j + 9. An element is kept where its byte is below dropout_threshold,
+// (1 - p) 256 rounded: as in flash-attn, the keep probability is a multiple of 1/256. Units are numbered
+// row-pair-major over a (batch, head)'s rows and columns: rows and columns of the batch's sequences (fixed
+// length) or of its whole operands (variable length, whose sequences may exceed the caller's bounds), so that
+// no two elements of a call share a draw.
 #pragma once
 
 #include <cstdint>
@@ -38,20 +38,27 @@ __device__ __forceinline__ uint2 philox2x32_10(uint32_t lo, uint32_t hi, uint32_
   return {lo, hi};
 }
 
-// Whether the element of 16 bits `half` (0: low, 1: high) of a draw's word is kept: its 14 low bits are below
-// threshold (at most 2^14).
-__device__ __forceinline__ bool dropout_keeps(uint32_t word, int half, uint32_t threshold) {
-  return ((half ? word >> 16 : word) & 0x3FFFu) < threshold;
+// The byte of a unit's word that holds column col (any column: its place in the unit).
+__host__ __device__ __forceinline__ constexpr int dropout_byte(int col) { return col % 2 + (col & 8) / 4; }
+
+// Whether the element in byte `byte` of a draw's word is kept.
+__device__ __forceinline__ bool dropout_keeps(uint32_t word, int byte, uint32_t threshold) {
+  return ((word >> (8 * byte)) & 0xFFu) < threshold;
 }
 
-// dropout_keeps for both halves of a word at once: 0xFFFF in each 16-bit half that is kept, 0 in the others.
-// 14 bits read as an fp16 are a non-negative finite number, ordered as the integers, so one f16x2 comparison
-// with the threshold in both halves (threshold2; 2^14 is fp16's 2.0) decides both.
+// dropout_keeps for two bytes of a word at once, bytes 0 and 1 (kHigh = false: columns j, j + 1) or 2 and 3
+// (columns j + 8, j + 9): 0xFFFF in each 16-bit half that is kept, 0 in the others. One byte permutation makes
+// the halves 0x5C00 | byte, fp16 numbers (256 + byte / 4) ordered as the bytes, and one f16x2 comparison with
+// threshold2 (0x5C00 | threshold in both halves) decides both.
+template <bool kHigh>
 __device__ __forceinline__ uint32_t dropout_keep_halves(uint32_t word, uint32_t threshold2) {
+  const uint32_t halves = __byte_perm(word, 0x5Cu, kHigh ? 0x4342u : 0x4140u);
   uint32_t mask;
-  asm("set.lt.u32.f16x2 %0, %1, %2;" : "=r"(mask) : "r"(word & 0x3FFF3FFFu), "r"(threshold2));
+  asm("set.lt.u32.f16x2 %0, %1, %2;" : "=r"(mask) : "r"(halves), "r"(threshold2));
   return mask;
 }
+
+__device__ __forceinline__ uint32_t dropout_threshold2(uint32_t threshold) { return (0x5C00u | threshold) * 0x10001u; }
 
 struct Dropout {
   uint64_t head_counter;  // the counter of the (batch, head)'s unit 0
@@ -62,87 +69,114 @@ struct Dropout {
   __device__ __forceinline__ static Dropout make(FwdParams const& p, int batch, int head) {
     const bool varlen = p.cu_seqlens_q != nullptr;
     const uint64_t row_units = uint64_t((varlen ? p.total_q : p.seqlen_q) + 15) / 16 * 8;
-    const uint32_t col_units = uint32_t((varlen ? p.total_k : p.seqlen_k) + 1) / 2;
+    const uint32_t col_units = uint32_t((varlen ? p.total_k : p.seqlen_k) + 15) / 16 * 4;
     return {*p.rng_state + (uint64_t(batch) * p.nheads + head) * row_units * col_units, col_units, p.dropout_threshold};
   }
 
-  // The counter of the units of rows (row, row + 8) of the sequence (row % 16 < 8): add the column / 2.
+  // The counter of the units of rows (row, row + 8) of the sequence (row % 16 < 8): add the column's unit.
   __device__ __forceinline__ uint64_t row_counter(int row) const {
     return head_counter + uint64_t(row / 16 * 8 + row % 8) * col_units;
   }
 
-  // The draw of the unit at rows (row, row + 8), columns (col, col + 1), from row_counter(row).
+  // The draw of the unit that holds column col, of rows (row, row + 8), from row_counter(row).
   __device__ __forceinline__ uint2 draw(uint64_t row_counter, int col) const {
-    const uint64_t counter = row_counter + uint32_t(col) / 2;
+    const uint64_t counter = row_counter + uint32_t(col) / 16 * 4 + uint32_t(col) % 8 / 2;
     return philox2x32_10(uint32_t(counter), uint32_t(counter >> 32), kPhiloxKey);
   }
-
-  __device__ __forceinline__ bool keeps(uint32_t word, int half) const { return dropout_keeps(word, half, threshold); }
 };
 
-// The keep bits of kPairs column pairs of one row: word[k] for columns col0 + 2 k (low 16 bits, for keeps) and
-// col0 + 2 k + 1 (high 16 bits); col0 even. kPaired: lane ^ 8 of the warp holds row ^ 8 with the same columns,
-// so that each of the two draws half of the units and they trade the other row's words (kPairs even).
-template <int kPairs, bool kPaired>
-__device__ __forceinline__ void row_keep_words(Dropout const& dropout, int row, int col0, uint32_t (&word)[kPairs]) {
-  const bool second = row & 8;  // the unit's second row
-  const uint64_t counter = dropout.row_counter(row & ~8);
-  if constexpr (kPaired) {
-    static_assert(kPairs % 2 == 0);
-    CUTE_UNROLL
-    for (int k = 0; k < kPairs; k += 2) {
-      const uint2 draw = dropout.draw(counter, col0 + 2 * (k + int(second)));  // pair k + second
-      const uint32_t mine = second ? draw.y : draw.x;
-      const uint32_t got = __shfl_xor_sync(0xffffffffu, second ? draw.x : draw.y, 8);  // pair k + !second
-      word[k] = second ? got : mine;
-      word[k + 1] = second ? mine : got;
-    }
-  } else {
-    CUTE_UNROLL
-    for (int k = 0; k < kPairs; ++k) {
-      const uint2 draw = dropout.draw(counter, col0 + 2 * k);
-      word[k] = second ? draw.y : draw.x;
+// The keep bits of columns col0 + c (c < kCols) of one row, as the words of their units: with kCols a multiple
+// of 16 and col0 % 16 == 0, whole units (a word per unit, kCols / 4); with kCols <= 8 and col0 % kCols == 0,
+// the columns lie in one half of a unit's columns (a word per column pair, half of whose bytes are read).
+// kPaired (whole units): lane ^ 8 of the warp holds row ^ 8 with the same columns, so that each of the two draws
+// half of the units and they trade the other row's words.
+template <int kCols, bool kPaired>
+struct RowKeep {
+  static constexpr bool kWhole = kCols % 16 == 0;
+  static_assert(kWhole || (kCols <= 8 && kCols % 2 == 0 && !kPaired));
+  static constexpr int kWords = kWhole ? kCols / 4 : kCols / 2;
+  uint32_t word[kWords];
+  int shift;  // !kWhole: the bits of the columns' half (0, or 16 where col0 % 16 >= 8)
+
+  __device__ __forceinline__ RowKeep(Dropout const& dropout, int row, int col0) : shift((col0 & 8) * 2) {
+    const bool second = row & 8;  // the unit's second row
+    const uint64_t counter = dropout.row_counter(row & ~8);
+    // The first column of word k's unit.
+    auto unit_col = [&](int k) { return kWhole ? col0 + k / 4 * 16 + k % 4 * 2 : col0 + 2 * k; };
+    if constexpr (kPaired) {
+      static_assert(kWords % 2 == 0);
+      CUTE_UNROLL
+      for (int k = 0; k < kWords; k += 2) {
+        const uint2 draw = dropout.draw(counter, unit_col(k + int(second)));  // unit k + second
+        const uint32_t mine = second ? draw.y : draw.x;
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, second ? draw.x : draw.y, 8);  // unit k + !second
+        word[k] = second ? got : mine;
+        word[k + 1] = second ? mine : got;
+      }
+    } else {
+      CUTE_UNROLL
+      for (int k = 0; k < kWords; ++k) {
+        const uint2 draw = dropout.draw(counter, unit_col(k));
+        word[k] = second ? draw.y : draw.x;
+      }
     }
   }
-}
 
-// Calls f(mi, ni, kept) for each element of a thread's (rows, cols) view of an m16n8 accumulator tile, kept:
+  // Column c's byte in the low 8 bits (higher bits: other columns'); kept where it is below the threshold.
+  __device__ __forceinline__ uint32_t bits(int c) const {
+    if constexpr (kWhole) {
+      return word[c / 16 * 4 + c % 8 / 2] >> (8 * dropout_byte(c));
+    } else {
+      return word[c / 2] >> (8 * (c % 2) + shift);
+    }
+  }
+  __device__ __forceinline__ static bool kept(uint32_t bits, uint32_t threshold) { return (bits & 0xFFu) < threshold; }
+  __device__ __forceinline__ bool keeps(int c, uint32_t threshold) const { return kept(bits(c), threshold); }
+};
+
+// Calls f(mi, ni, kept) for each element of a thread's (rows, cols) view of m16n8 accumulator tiles, kept:
 // whether dropout keeps it. coord gives (row, col) in the tile whose first row and key are row0 and col0, as
-// the accumulator's layout pairs them: rows 2 m and 2 m + 1 are 8 apart, columns 2 n and 2 n + 1 adjacent.
+// the accumulator's layout pairs them: rows 2 m and 2 m + 1 are 8 apart, columns 2 n and 2 n + 1 adjacent,
+// and the tiled MMA must place a warp's n8 tiles in pairs 8 columns apart, the first at a column j with
+// j % 16 < 8: columns 4 q, 4 q + 1, 4 q + 2 and 4 q + 3 are then those of one unit.
 template <typename CoordTensor, typename F>
 __device__ __forceinline__ void for_each_kept(Dropout const& dropout, CoordTensor const& coord, int row0, int col0,
                                               F const& f) {
   constexpr int kRows = decltype(size<0>(coord))::value, kCols = decltype(size<1>(coord))::value;
-  static_assert(kRows % 2 == 0 && kCols % 2 == 0);
+  static_assert(kRows % 2 == 0 && kCols % 4 == 0);
   CUTE_UNROLL
   for (int m = 0; m < kRows / 2; ++m) {
     const uint64_t counter = dropout.row_counter(row0 + get<0>(coord(2 * m, 0)));
     CUTE_UNROLL
-    for (int n = 0; n < kCols / 2; ++n) {
-      const uint2 draw = dropout.draw(counter, col0 + get<1>(coord(0, 2 * n)));
+    for (int q = 0; q < kCols / 4; ++q) {
+      const uint2 draw = dropout.draw(counter, col0 + get<1>(coord(0, 4 * q)));
       CUTE_UNROLL
-      for (int e = 0; e < 4; ++e) f(2 * m + e / 2, 2 * n + e % 2, dropout.keeps(e < 2 ? draw.x : draw.y, e % 2));
+      for (int e = 0; e < 8; ++e) {
+        f(2 * m + e / 4, 4 * q + e % 4, dropout_keeps(e < 4 ? draw.x : draw.y, e % 4, dropout.threshold));
+      }
     }
   }
 }
 
 // P with the elements that dropout drops zeroed, P an m16n8 accumulator fragment (MMA, MMA_M, MMA_N) converted
-// to a 16-bit type: each atom's two registers hold its rows 0 and 8's two columns, the halves of the unit's
-// words. coord: the fp32 fragment's (rows, cols) coordinates, as for for_each_kept.
+// to a 16-bit type: each atom's two registers hold its rows 0 and 8's two columns, tiles n and n + 1 (n even)
+// the halves of a unit's words. coord: the fp32 fragment's (rows, cols) coordinates, as for for_each_kept.
 template <typename PTensor, typename CoordTensor>
 __device__ __forceinline__ void apply_dropout_packed(PTensor& p, Dropout const& dropout, CoordTensor const& coord,
                                                      int row0, int col0) {
   Tensor words = recast<uint32_t>(p);  // (2, MMA_M, MMA_N)
-  static_assert(decltype(size<0>(words))::value == 2);
-  const uint32_t threshold2 = dropout.threshold * 0x10001u;
+  static_assert(decltype(size<0>(words))::value == 2 && decltype(size<2>(words))::value % 2 == 0);
+  const uint32_t threshold2 = dropout_threshold2(dropout.threshold);
   CUTE_UNROLL
   for (int m = 0; m < size<1>(words); ++m) {
     const uint64_t counter = dropout.row_counter(row0 + get<0>(coord(2 * m, 0)));
     CUTE_UNROLL
-    for (int n = 0; n < size<2>(words); ++n) {
+    for (int n = 0; n < size<2>(words); n += 2) {
       const uint2 draw = dropout.draw(counter, col0 + get<1>(coord(0, 2 * n)));
-      words(0, m, n) &= dropout_keep_halves(draw.x, threshold2);
-      words(1, m, n) &= dropout_keep_halves(draw.y, threshold2);
+      words(0, m, n) &= dropout_keep_halves<false>(draw.x, threshold2);
+      words(0, m, n + 1) &= dropout_keep_halves<true>(draw.x, threshold2);
+      words(1, m, n) &= dropout_keep_halves<false>(draw.y, threshold2);
+      words(1, m, n + 1) &= dropout_keep_halves<true>(draw.y, threshold2);
     }
   }
 }

@@ -13,26 +13,27 @@
 namespace cuteflash {
 
 // The mask of a whole call, for return_attn_probs: keep[((b * nheads + h) * rows + i) * cols + j] = 1 where
-// element (i, j) of (batch index b, head h) is kept, for i < rows, j < cols (even sizes); a thread per unit.
+// element (i, j) of (batch index b, head h) is kept, for i < rows, j < cols (multiples of 16); a thread per unit.
 static __global__ void dropout_mask_kernel(const FwdParams p, uint8_t* keep, int rows, int cols) {
   const int b = blockIdx.z, h = blockIdx.y;
-  const int64_t units = int64_t(rows / 2) * (cols / 2);
+  const int64_t units = int64_t(rows / 2) * (cols / 4);
   const Dropout dropout = Dropout::make(p, b, h);
   uint8_t* out = keep + (int64_t(b) * p.nheads + h) * rows * cols;
   for (int64_t u = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; u < units; u += int64_t(gridDim.x) * blockDim.x) {
-    const int pair = int(u / (cols / 2)), col = int(u % (cols / 2)) * 2;
-    const int row = pair / 8 * 16 + pair % 8;  // the pair's upper row
+    const int pair = int(u / (cols / 4)), unit = int(u % (cols / 4));
+    const int row = pair / 8 * 16 + pair % 8;      // the unit's upper row
+    const int col = unit / 4 * 16 + unit % 4 * 2;  // and first column
     const uint2 draw = dropout.draw(dropout.row_counter(row), col);
     CUTE_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      const int r = row + 8 * (e / 2), c = col + e % 2;
-      if (r < rows) out[int64_t(r) * cols + c] = dropout.keeps(e < 2 ? draw.x : draw.y, e % 2);
+    for (int e = 0; e < 8; ++e) {
+      const int r = row + 8 * (e / 4), c = col + e % 2 + 8 * (e % 4 / 2);
+      out[int64_t(r) * cols + c] = dropout_keeps(e < 4 ? draw.x : draw.y, e % 4, dropout.threshold);
     }
   }
 }
 
 static void launch_dropout_mask(FwdParams const& p, uint8_t* keep, int rows, int cols, cudaStream_t stream) {
-  const int64_t units = int64_t(rows / 2) * (cols / 2);
+  const int64_t units = int64_t(rows / 2) * (cols / 4);
   const dim3 grid(unsigned(std::min<int64_t>((units + 255) / 256, 1024)), p.nheads, p.batch);
   dropout_mask_kernel<<<grid, 256, 0, stream>>>(p, keep, rows, cols);
   check_cuda(cudaGetLastError(), "launching the dropout mask kernel");

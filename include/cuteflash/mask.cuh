@@ -141,13 +141,14 @@ __device__ __forceinline__ void apply_mask(STensor& s, CoordTensor const& coord,
   }
 }
 
-// dS (a (rows, cols) view) of scores that went through a softcap: times softcap (1 - tanh^2) (params.h).
+// dS (a (rows, cols) view) of scores that went through a softcap: times softcap (1 - tanh^2) (params.h), where
+// the caller has applied the softcap factor already (with the softmax's scale): times 1 - tanh^2 here.
 template <typename DSTensor, typename DTanh>
-__device__ __forceinline__ void apply_softcap_grad(DSTensor& ds, DTanh const& dtanh, float softcap) {
+__device__ __forceinline__ void apply_softcap_grad(DSTensor& ds, DTanh const& dtanh) {
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(ds); ++mi) {
     CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(ds); ++ni) ds(mi, ni) *= softcap * dtanh(mi, ni);
+    for (int ni = 0; ni < size<1>(ds); ++ni) ds(mi, ni) *= dtanh(mi, ni);
   }
 }
 

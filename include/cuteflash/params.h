@@ -75,8 +75,8 @@ struct FwdParams {
   float const* alibi_slopes;
   int alibi_batch_stride;
   // Dropout (dropout.cuh), where rng_state is set: on the device, this forward call's 64-bit Philox counter base
-  // (its backward reads the same); a probability is kept where 14 bits of its draw are below dropout_threshold =
-  // (1 - p) 2^14, and the kept ones are scaled by dropout_scale = 1 / (1 - p).
+  // (its backward reads the same); a probability is kept where its byte of the draw is below dropout_threshold =
+  // (1 - p) 256 rounded, and the kept ones are scaled by dropout_scale = 1 / (1 - p).
   uint64_t const* rng_state;
   uint32_t dropout_threshold;
   float dropout_scale;

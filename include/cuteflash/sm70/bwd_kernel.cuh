@@ -158,11 +158,10 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
       for (int c = 0; c < kCols; ++c) prob[c] = key0 + c < key_limit ? prob[c] : 0.f;
     }
     if constexpr (V == Variant::kDropout) {  // dS of the kept probabilities; dV's products take those (unscaled)
-      uint32_t keep_words[kCols / 2];
-      row_keep_words<kCols / 2, false>(Dropout::make(p, seq.batch, blockIdx.y), q_row, key0, keep_words);
+      const RowKeep<kCols, false> row_keep(Dropout::make(p, seq.batch, blockIdx.y), q_row, key0);
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
-        const bool keep = dropout_keeps(keep_words[c / 2], c % 2, p.dropout_threshold);
+        const bool keep = row_keep.keeps(c, p.dropout_threshold);
         ds[c] = prob[c] * ((keep ? ds[c] * p.dropout_scale : 0.f) - row.d);
         prob[c] = keep ? prob[c] : 0.f;
       }

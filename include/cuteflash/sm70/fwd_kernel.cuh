@@ -209,11 +209,14 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     // 0 while O is still 0; exactly 1 where the max stays (so is O's rescale, and the warp skips it).
     const float alpha = m_new == m ? 1.f : exp2_approx(m * p.softmax_scale_log2 - m_scaled);
     const bool rescale = __any_sync(0xffffffff, m_new != m);
-    // kDropout: the keep bits of my part of the row, column pair k in keep_words[k] (in order, not rotated).
-    uint32_t keep_words[kColsPerLane / 2];
-    if constexpr (V == Variant::kDropout) {
-      row_keep_words<kColsPerLane / 2, true>(Dropout::make(p, seq.batch, head), q_row, col0, keep_words);
-    }
+    // kDropout: the keep bits of my part of the row (in order, not rotated).
+    const auto keep = [&] {
+      if constexpr (V == Variant::kDropout) {
+        return RowKeep<kColsPerLane, true>(Dropout::make(p, seq.batch, head), q_row, col0);
+      } else {
+        return nullptr;
+      }
+    }();
     float sum = 0.f;
     CUTE_UNROLL
     for (int i = 0; i < kQuads; ++i) {
@@ -225,10 +228,9 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
       }
       if constexpr (V == Variant::kDropout) {  // after the row sum, which is of every probability
         CUTE_UNROLL
-        for (int e = 0; e < 4; ++e) {
-          const int pair = 2 * i + e / 2;  // of quad (i + my_rotation) % kQuads:
-          const uint32_t word = my_rotation ? keep_words[(pair + 2) % (kColsPerLane / 2)] : keep_words[pair];
-          prob[e] = dropout_keeps(word, e % 2, p.dropout_threshold) ? prob[e] : 0.f;
+        for (int e = 0; e < 4; ++e) {  // column e of quad (i + my_rotation) % kQuads
+          const uint32_t bits = my_rotation ? keep.bits(4 * ((i + 1) % kQuads) + e) : keep.bits(4 * i + e);
+          prob[e] = keep.kept(bits, p.dropout_threshold) ? prob[e] : 0.f;
         }
       }
       const int at = my_row * Traits::kLdP + my_col0 + 4 * ((i + my_rotation) % kQuads);

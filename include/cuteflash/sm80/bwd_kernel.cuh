@@ -38,6 +38,13 @@ __device__ __forceinline__ void scores_to_probs(STensor& s, DTanh& dtanh, Coord 
   }
 }
 
+// The factor of dS = scale P (dP - D) for a kernel of variant V: the softmax's scale, in kSoftcap times the softcap
+// (params.h), so that apply_softcap_grad has only 1 - tanh^2 left to apply.
+template <Variant V>
+__device__ __forceinline__ float grad_scale(BwdParams const& p) {
+  return V == Variant::kSoftcap ? p.softmax_scale * p.softcap : p.softmax_scale;
+}
+
 // In place on (rows, cols) views: dp becomes dS = scale P (dP - D), the gradient of the unscaled scores.
 template <typename PTensor, typename DPTensor, int kRows>
 __device__ __forceinline__ void probs_to_grads(PTensor const& prob, DPTensor& dp, float const (&d)[kRows],
@@ -258,8 +265,8 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
     gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));          // (rows, cols)
     if constexpr (V == Variant::kDropout) apply_keep(dp, keep, p.dropout_scale);  // the kept probabilities' gradient
-    probs_to_grads(s, dp, d, p.softmax_scale);
-    if constexpr (V == Variant::kSoftcap) apply_softcap_grad(dp, dtanh, p.softcap);
+    probs_to_grads(s, dp, d, grad_scale<V>(p));
+    if constexpr (V == Variant::kSoftcap) apply_softcap_grad(dp, dtanh);
     copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_dp)), tdSsdS);
     __syncthreads();  // P and dS are in shared memory
 
@@ -459,8 +466,8 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
       apply_dropout(dp, Dropout::make(p, seq.batch, head), tScS_rc, m_block * kBlockM, n_block * kBlockN,
                     p.dropout_scale);
     }
-    probs_to_grads(s, dp, d_row, p.softmax_scale);
-    if constexpr (V == Variant::kSoftcap) apply_softcap_grad(dp, dtanh, p.softcap);
+    probs_to_grads(s, dp, d_row, grad_scale<V>(p));
+    if constexpr (V == Variant::kSoftcap) apply_softcap_grad(dp, dtanh);
     Tensor rdS = convert_fragment<Element>(acc_dp);
     Tensor tdQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));  // (MMA, MMA_M, MMA_K over keys)
     gemm_rs(acc_dq, tdQrdS, tdQrKt, tdQsKt, tiled_mma, copy_bt, thr_bt);

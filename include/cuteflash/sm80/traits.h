@@ -106,7 +106,12 @@ struct BwdTraits {
   template <int kAtomM>
   using WarpTiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kAtomM>, Int<kNWarps / kAtomM>, _1>>,
                                 Tile<Int<16 * kAtomM>, Int<16 * kNWarps / kAtomM>, _16>>;
-  using TiledMmaSdP = WarpTiledMma<kAtomMSdP>;  // S = Q K^T, dP = dO V^T: (kBlockM, kBlockN)
+  // S = Q K^T, dP = dO V^T: (kBlockM, kBlockN). Each warp's two n8 tiles in the 16-wide tile are 16 adjacent
+  // columns, as dropout's units need (dropout.cuh, for_each_kept).
+  static constexpr int kWarpsNSdP = kNWarps / kAtomMSdP;
+  using TiledMmaSdP =
+      TiledMMA<MmaAtom, Layout<Shape<Int<kAtomMSdP>, Int<kWarpsNSdP>, _1>>,
+               Tile<Int<16 * kAtomMSdP>, Layout<Shape<_8, Int<kWarpsNSdP>, _2>, Stride<_1, _16, _8>>, _16>>;
   using TiledMmadKV = WarpTiledMma<kAtomNdKV>;  // dV += P^T dO, dK += dS^T Q: (kBlockN, kHeadDim)
   using TiledMmadQ = WarpTiledMma<kAtomMdQ>;    // dQ = dS K: (kBlockM, kHeadDim)
   static_assert(kBlockM % (16 * kAtomMSdP) == 0 && kBlockN % (16 * kNWarps / kAtomMSdP) == 0);
