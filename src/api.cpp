@@ -187,11 +187,11 @@ void require_family_runs(Family family) {
 }
 
 template <typename Fn>
-Fn require_kernel(Fn launch, Family family, char const* direction, int head_dim) {
+Fn require_kernel(Fn launch, Family family, char const* direction, DType dtype, int head_dim) {
   const std::string name = family_name(family);
   require(launch != nullptr, "no " + name + " " + direction + " kernel for head dim " +
-                                 std::to_string(round_up_head_dim(head_dim)) +
-                                 " and this dtype was compiled in; rebuild with CUTEFLASH_HEADDIMS / CUTEFLASH_DTYPES "
+                                 std::to_string(round_up_head_dim(head_dim)) + " and " + kDTypeNames[int(dtype)] +
+                                 " was compiled in; rebuild with CUTEFLASH_HEADDIMS / CUTEFLASH_DTYPES "
                                  "/ CUTEFLASH_DIRECTIONS including it");
   require_family_runs(family);
   return launch;
@@ -210,8 +210,8 @@ void fwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
                        softmax_scale, causal, fp16_correction, varlen, options)) {
     return;
   }
-  FwdFn launch =
-      require_kernel(find_fwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family, "forward", head_dim);
+  FwdFn launch = require_kernel(find_fwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family, "forward",
+                                DType(dtype_code), head_dim);
   launch(p, reinterpret_cast<cudaStream_t>(stream));
 }
 
@@ -279,8 +279,8 @@ void bwd(std::string const& family_name, int dtype_code, Operand const& dout, Op
   }
   p.d_rowsum = reinterpret_cast<float*>(d_rowsum);
   p.deterministic = deterministic;
-  BwdFn launch =
-      require_kernel(find_bwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family, "backward", head_dim);
+  BwdFn launch = require_kernel(find_bwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family, "backward",
+                                DType(dtype_code), head_dim);
   launch(p, reinterpret_cast<cudaStream_t>(stream));
 }
 
