@@ -130,7 +130,9 @@ struct RowKeep {
       return word[c / 2] >> (8 * (c % 2) + shift);
     }
   }
-  __device__ __forceinline__ static bool kept(uint32_t bits, uint32_t threshold) { return (bits & 0xFFu) < threshold; }
+  __device__ __forceinline__ static bool kept(uint32_t bits, uint32_t threshold) {
+    return dropout_keeps(bits, 0, threshold);
+  }
   __device__ __forceinline__ bool keeps(int c, uint32_t threshold) const { return kept(bits(c), threshold); }
 };
 

@@ -141,8 +141,8 @@ __device__ __forceinline__ void apply_mask(STensor& s, CoordTensor const& coord,
   }
 }
 
-// dS (a (rows, cols) view) of scores that went through a softcap: times softcap (1 - tanh^2) (params.h), where
-// the caller has applied the softcap factor already (with the softmax's scale): times 1 - tanh^2 here.
+// dS (a (rows, cols) view) of scores that went through a softcap, whose factor is softcap (1 - tanh^2)
+// (params.h): times 1 - tanh^2, the softcap being in the caller's scale of dS already (grad_scale).
 template <typename DSTensor, typename DTanh>
 __device__ __forceinline__ void apply_softcap_grad(DSTensor& ds, DTanh const& dtanh) {
   CUTE_UNROLL
