@@ -110,6 +110,22 @@ def _require_head_dim(head_dim: int) -> None:
         pytest.skip(f"this build has no {family} kernel for head dim {head_dim}")
 
 
+# The shared memory of each family's smaller GPUs: a T4 and a V100 (whose 96 KB the largest sm70 backward tile
+# fills exactly at head dim 128) for sm70; sm86/89/120 and an A100 for sm80.
+_SMEM_LIMITS = {"sm70": (65536, 98304), "sm80": (101376, 166912)}
+
+
+@pytest.fixture(params=[0, 1], ids=["smallest", "next"])
+def smem_limit(request, monkeypatch):
+    """(family, limit): the family that serves the test GPU, run as if it had the shared memory per block of a
+    smaller GPU of the family (CUTEFLASH_SMEM_LIMIT, which the launchers read to choose their tiles)."""
+    family = _family_entry()[0]
+    if request.param >= len(_SMEM_LIMITS[family]):
+        pytest.skip(f"{family} has no second smaller GPU to imitate")
+    monkeypatch.setenv("CUTEFLASH_SMEM_LIMIT", str(_SMEM_LIMITS[family][request.param]))
+    return family, _SMEM_LIMITS[family][request.param]
+
+
 @pytest.fixture
 def require_support():
     return _require_support

@@ -105,6 +105,19 @@ def test_dropout_with_everything(head_dim, deterministic, make_qkv, assert_close
     _check(q, k, v, 0.25, assert_close_2x, deterministic=deterministic, **options)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm70_tiles_of_smaller_gpus(smem_limit, head_dim, make_qkv, assert_close_2x, require_support, require_head_dim):
+    """The sm70 tiles of a T4 and a V100 (imitated through smem_limit), whose threads hold 2 to 32 columns of a row:
+    the forward and backward kernels drop what the mask kernel draws."""
+    family, _ = smem_limit
+    if family != "sm70":
+        pytest.skip("the sm80 tiles for less shared memory hold dropout's units as the default tiles do")
+    require_support(torch.float16, backward=True)
+    require_head_dim(head_dim)
+    q, k, v = make_qkv(2, 190, 230, 4, 2, head_dim, torch.float16)
+    _check(q, k, v, 0.2, assert_close_2x, causal=True)
+
+
 def test_repeatable_under_manual_seed(make_qkv, require_support):
     """The same seed gives the same mask and gradients (deterministic: bitwise); another seed another mask."""
     require_support(torch.float16, backward=True)

@@ -6,40 +6,26 @@ import pytest
 import torch
 
 from cuteflash import flash_attn_func
-from cuteflash._lib import select_family
 
 pytestmark = pytest.mark.gpu
 
-# The limits of the smaller GPUs of each family: a T4 and a V100 (whose 96 KB the largest sm70 backward
-# tile fills exactly at head dim 128) for sm70; sm86/89/120 and an A100 for sm80.
-LIMITS = {"sm70": (65536, 98304), "sm80": (101376, 166912)}
 # sm80 backward tiles (tile_config.h) within 99 KB: up to head dim 160 (64 x 64 for 96 and 128). Head
 # dims 192-256 (112-144 KB) have none yet and must fail with a clear error. An A100 runs them all.
 SM80_BACKWARD_FITS_99KB = {64, 96, 128, 160}
 
 
-@pytest.fixture(params=[0, 1], ids=["smallest", "next"])
-def limit(request, monkeypatch):
-    """(family, limit): the family that serves the test GPU, run as if it had that GPU's shared memory."""
-    family = select_family(torch.device("cuda"))
-    if request.param >= len(LIMITS[family]):
-        pytest.skip(f"{family} has no second smaller GPU to imitate")
-    monkeypatch.setenv("CUTEFLASH_SMEM_LIMIT", str(LIMITS[family][request.param]))
-    return family, LIMITS[family][request.param]
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 160, 192, 224, 256])
-def test_forward(limit, head_dim, causal, make_qkv, run_and_check):
+def test_forward(smem_limit, head_dim, causal, make_qkv, run_and_check):
     run_and_check(*make_qkv(2, 300, 257, 4, 2, head_dim, torch.float16), causal)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 160, 192, 224, 256])
-def test_backward(limit, head_dim, causal, deterministic, make_qkv, check_grads, require_support):
+def test_backward(smem_limit, head_dim, causal, deterministic, make_qkv, check_grads, require_support):
     require_support(torch.float16, backward=True)
-    family, smem = limit
+    family, smem = smem_limit
     q, k, v = make_qkv(2, 300, 257, 4, 2, head_dim, torch.float16)
     if family == "sm80" and smem == 101376 and head_dim not in SM80_BACKWARD_FITS_99KB:  # a clear error
         leaves = [t.requires_grad_() for t in (q, k, v)]
