@@ -20,13 +20,12 @@ def _positions(x: torch.Tensor, seqlen_offsets: int | torch.Tensor, cu_seqlens: 
     if cu_seqlens is None:
         batch, seqlen = x.shape[:2]
         positions = torch.arange(seqlen, device=x.device).expand(batch, seqlen)
-        if isinstance(seqlen_offsets, torch.Tensor):
-            return positions + seqlen_offsets.to(device=x.device, dtype=torch.int64).view(batch, 1)
-        return positions + seqlen_offsets
-    cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.int64)
-    rows = torch.arange(x.shape[0], device=x.device)
-    sequence = torch.searchsorted(cu_seqlens[1:], rows, right=True).clamp_(max=cu_seqlens.numel() - 2)
-    positions = rows - cu_seqlens[sequence]
+        sequence = torch.arange(batch, device=x.device)[:, None]  # each token's sequence, broadcast
+    else:
+        cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.int64)
+        rows = torch.arange(x.shape[0], device=x.device)
+        sequence = torch.searchsorted(cu_seqlens[1:], rows, right=True).clamp_(max=cu_seqlens.numel() - 2)
+        positions = rows - cu_seqlens[sequence]
     if isinstance(seqlen_offsets, torch.Tensor):
         return positions + seqlen_offsets.to(device=x.device, dtype=torch.int64)[sequence]
     return positions + seqlen_offsets
