@@ -186,11 +186,14 @@ void require_family_runs(Family family) {
   }
 }
 
-template <typename Fn>
-Fn require_kernel(Fn launch, Family family, char const* direction, DType dtype, int head_dim) {
-  const std::string name = family_name(family);
-  require(launch != nullptr, "no " + name + " " + direction + " kernel for head dim " +
-                                 std::to_string(round_up_head_dim(head_dim)) + " and " + kDTypeNames[int(dtype)] +
+// The launcher that find (find_fwd or find_bwd) has for the call's family, dtype and head dim; throws where the
+// build holds none, or where the family's code does not run on this device.
+template <typename Find>
+auto require_kernel(Find find, Family family, char const* direction, DType dtype, int head_dim) {
+  const int kernel_head_dim = round_up_head_dim(head_dim);
+  auto launch = find(family, dtype, kernel_head_dim);
+  require(launch != nullptr, "no " + std::string(family_name(family)) + " " + direction + " kernel for head dim " +
+                                 std::to_string(kernel_head_dim) + " and " + kDTypeNames[int(dtype)] +
                                  " was compiled in; rebuild with CUTEFLASH_HEADDIMS / CUTEFLASH_DTYPES "
                                  "/ CUTEFLASH_DIRECTIONS including it");
   require_family_runs(family);
@@ -210,8 +213,7 @@ void fwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
                        softmax_scale, causal, fp16_correction, varlen, options)) {
     return;
   }
-  FwdFn launch = require_kernel(find_fwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family, "forward",
-                                DType(dtype_code), head_dim);
+  FwdFn launch = require_kernel(find_fwd, family, "forward", DType(dtype_code), head_dim);
   launch(p, reinterpret_cast<cudaStream_t>(stream));
 }
 
@@ -279,8 +281,7 @@ void bwd(std::string const& family_name, int dtype_code, Operand const& dout, Op
   }
   p.d_rowsum = reinterpret_cast<float*>(d_rowsum);
   p.deterministic = deterministic;
-  BwdFn launch = require_kernel(find_bwd(family, DType(dtype_code), round_up_head_dim(head_dim)), family, "backward",
-                                DType(dtype_code), head_dim);
+  BwdFn launch = require_kernel(find_bwd, family, "backward", DType(dtype_code), head_dim);
   launch(p, reinterpret_cast<cudaStream_t>(stream));
 }
 
