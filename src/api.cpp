@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "cuteflash/dispatch.h"
 #include "cuteflash/mask.h"
@@ -120,7 +121,7 @@ void fill_options(FwdParams& p, Options const& o, bool varlen) {
 bool fill_fwd_params(FwdParams& p, DType dtype, Operand const& q, Operand const& k, Operand const& v,
                      Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
                      int head_dim, float softmax_scale, bool causal, bool fp16_correction, Varlen const& varlen,
-                     Options const& options) {
+                     Options const& options, bool kv_cache = false) {
   require(dtype == DType::kFloat16 || dtype == DType::kBFloat16, "unknown dtype code");
   require(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "sizes must be non-negative");
   require(seqlen_q < kMaxSeqlen && seqlen_k < kMaxSeqlen, "seqlen_q and seqlen_k must be below 2^30");
@@ -135,8 +136,10 @@ bool fill_fwd_params(FwdParams& p, DType dtype, Operand const& q, Operand const&
     }
     require(varlen.total_q >= 0 && varlen.total_k >= 0 && varlen.total_q < kMaxSeqlen && varlen.total_k < kMaxSeqlen,
             "total_q and total_k must be non-negative and below 2^30");
+    // (k and v of a KV cache keep theirs: the cache, not cu_seqlens_k, places each sequence's keys.)
     for (Operand const* t : {&q, &k, &v, &out}) {
-      require(t->batch_stride == 0, "a variable-length batch's operands have a batch stride of 0");
+      require(t->batch_stride == 0 || (kv_cache && (t == &k || t == &v)),
+              "a variable-length batch's operands have a batch stride of 0");
     }
     if (batch == 0 || varlen.total_q == 0) return false;
     // The grids cover the bounds (at least one block), the offsets the rest (sequence.cuh).
@@ -177,6 +180,82 @@ bool fill_fwd_params(FwdParams& p, DType dtype, Operand const& q, Operand const&
   return true;
 }
 
+// A KV cache (params.h), for the forward pass: device pointers to int32 buffers (0: none) and the cache's sizes.
+// kv_rows: rows of each cache batch (a paged cache: block_table's columns times page_size); kv_batch: cache batches.
+struct Cache {
+  uintptr_t seqused_k = 0;
+  int seqlen_new = 0;
+  uintptr_t leftpad_k = 0;
+  uintptr_t kv_batch_idx = 0;
+  int kv_batch = 0;
+  int kv_rows = 0;
+  uintptr_t block_table = 0;
+  int64_t block_table_stride = 0;
+  int page_size = 0;
+  int num_pages = 0;
+};
+
+void require_int32_buffer(uintptr_t ptr, char const* name) {
+  require(ptr % 4 == 0, std::string(name) + " must be an aligned int32 buffer");
+}
+
+void fill_cache(FwdParams& p, Cache const& c) {
+  for (auto [ptr, name] : {std::pair{c.seqused_k, "cache_seqlens"}, std::pair{c.leftpad_k, "cache_leftpad"},
+                           std::pair{c.kv_batch_idx, "cache_batch_idx"}, std::pair{c.block_table, "block_table"}}) {
+    require_int32_buffer(ptr, name);
+  }
+  if (c.seqused_k == 0) {
+    require(c.leftpad_k == 0 && c.kv_batch_idx == 0 && c.block_table == 0,
+            "cache_leftpad, cache_batch_idx and block_table need cache_seqlens");
+    return;
+  }
+  require(c.kv_rows >= 0 && c.kv_rows < kMaxSeqlen && c.seqlen_new >= 0 && c.seqlen_new < kMaxSeqlen,
+          "the cache's rows must be below 2^30");
+  require(c.kv_batch >= 1, "the cache needs at least one batch");
+  p.seqused_k = reinterpret_cast<int const*>(c.seqused_k);
+  p.seqlen_new = c.seqlen_new;
+  p.leftpad_k = reinterpret_cast<int const*>(c.leftpad_k);
+  p.kv_batch_idx = reinterpret_cast<int const*>(c.kv_batch_idx);
+  p.kv_batch = c.kv_batch;
+  p.kv_rows = c.kv_rows;
+  if (c.block_table != 0) {
+    require(c.page_size >= 16 && c.page_size % 16 == 0, "the page size of a paged cache must be a multiple of 16");
+    require(c.num_pages >= 1 && c.block_table_stride >= 0, "a paged cache needs pages and a block_table");
+    p.block_table = reinterpret_cast<int const*>(c.block_table);
+    p.block_table_stride = c.block_table_stride;
+    p.page_size = c.page_size;
+    p.num_pages = c.num_pages;
+  }
+}
+
+// Whether the decoding kernel (decode.cuh) computes a forward pass of these sizes: a fixed-length batch without
+// dropout whose query rows per key-value head (seqlen_q x group) are few.
+bool decode_fits(int seqlen_q, int nheads, int nheads_k, bool varlen, bool dropout) {
+  return !varlen && !dropout && nheads_k >= 1 && int64_t(seqlen_q) * (nheads / nheads_k) <= kDecodeMaxRows;
+}
+
+// The decoding kernel's split count: num_splits where the caller asks for some (capped by the chunks of keys and
+// kDecodeMaxSplits), else enough for about four thread blocks per SM of the current device.
+int decode_split_count(int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim, int num_splits) {
+  const int rows = seqlen_q * (nheads / nheads_k) == 1 ? 1 : kDecodeMaxRows;
+  const int chunks = std::max((seqlen_k + decode_chunk(round_up_head_dim(head_dim), rows) - 1) /
+                                  decode_chunk(round_up_head_dim(head_dim), rows),
+                              1);
+  int splits = num_splits;
+  if (splits <= 0) {
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error("cuteflash: cannot read the current CUDA device's SM count");
+    }
+    // Rounded down: a few blocks more than fit at once would take a second wave.
+    const int64_t blocks = std::max<int64_t>(int64_t(batch) * nheads_k, 1);
+    splits = int(std::min<int64_t>(4 * int64_t(sms) / blocks, kDecodeMaxSplits));
+  }
+  return std::clamp(splits, 1, std::min(chunks, kDecodeMaxSplits));
+}
+
 // Throws unless the family's code in this module runs on the current device.
 void require_family_runs(Family family) {
   if (!family_runs(family)) {
@@ -200,21 +279,85 @@ auto require_kernel(Find find, Family family, char const* direction, DType dtype
   return launch;
 }
 
+// How a forward pass of these sizes runs: with the decoding kernel in `splits` splits of the keys (0: the tiled
+// kernels), which need o_accum_floats and lse_accum_floats of fp32 workspace (params.h) where splits > 1.
+// seqlen_k: the keys of a sequence, or their bound (a cache's rows). num_splits: flash-attn's (0: choose).
+py::dict fwd_plan(int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim, bool varlen,
+                  bool dropout, int num_splits) {
+  require(nheads_k >= 1 && nheads % nheads_k == 0, "nheads must be a multiple of nheads_k");
+  require(round_up_head_dim(head_dim) > 0, "head_dim must be at most 256");
+  int splits = 0;
+  if (decode_fits(seqlen_q, nheads, nheads_k, varlen, dropout) && batch > 0 && seqlen_q > 0) {
+    splits = decode_split_count(batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim, num_splits);
+  }
+  const int64_t rows = splits > 1 ? int64_t(splits) * batch * nheads * seqlen_q : 0;
+  py::dict plan;
+  plan["splits"] = splits;
+  plan["lse_accum_floats"] = rows;
+  plan["o_accum_floats"] = rows * round_up_head_dim(head_dim);
+  return plan;
+}
+
 void fwd(std::string const& family_name, int dtype_code, Operand const& q, Operand const& k, Operand const& v,
          Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
          int head_dim, float softmax_scale, bool causal, bool fp16_correction, uintptr_t stream, uintptr_t cu_seqlens_q,
          uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k, int window_left, int window_right, float softcap,
-         uintptr_t alibi_slopes, int alibi_batch_stride, double dropout_p, uintptr_t rng_state) {
+         uintptr_t alibi_slopes, int alibi_batch_stride, double dropout_p, uintptr_t rng_state, Cache const& cache,
+         int num_splits, uintptr_t o_accum, uintptr_t lse_accum, int64_t accum_floats) {
   const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
   const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, dropout_p, rng_state};
   Family family = parse_family(family_name);
   FwdParams p{};
   if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
-                       softmax_scale, causal, fp16_correction, varlen, options)) {
+                       softmax_scale, causal, fp16_correction, varlen, options, cache.seqused_k != 0)) {
     return;
   }
-  FwdFn launch = require_kernel(find_fwd, family, "forward", DType(dtype_code), head_dim);
+  fill_cache(p, cache);
+  if (num_splits == 0) {
+    require(p.block_table == nullptr, "a paged cache is read by the decoding kernel only (fwd_plan)");
+    FwdFn launch = require_kernel(find_fwd, family, "forward", DType(dtype_code), head_dim);
+    launch(p, reinterpret_cast<cudaStream_t>(stream));
+    return;
+  }
+  require(decode_fits(seqlen_q, nheads, nheads_k, varlen.on(), p.rng_state != nullptr) &&
+              num_splits <= kDecodeMaxSplits && num_splits > 0,
+          "num_splits > 0 asks for the decoding kernel, which does not compute this call (fwd_plan)");
+  p.num_splits = num_splits;
+  if (num_splits > 1) {
+    const int64_t rows = int64_t(num_splits) * batch * nheads * seqlen_q;
+    require(o_accum != 0 && o_accum % 16 == 0 && lse_accum != 0 && lse_accum % 4 == 0,
+            "a split pass needs o_accum and lse_accum, aligned float32 buffers");
+    require(accum_floats >= rows * round_up_head_dim(head_dim), "o_accum is smaller than fwd_plan says");
+    p.o_accum = reinterpret_cast<float*>(o_accum);
+    p.lse_accum = reinterpret_cast<float*>(lse_accum);
+  }
+  FwdFn launch = require_kernel(find_decode, family, "decoding", DType(dtype_code), head_dim);
   launch(p, reinterpret_cast<cudaStream_t>(stream));
+}
+
+// Appends k_new and v_new (batch, seqlen_new, nheads_k, head_dim) to the caches at row cache_seqlens[b] of each
+// sequence b (cache_append.cuh); the caches' other arguments as in Cache.
+void append_kv(std::string const& family_name, Operand const& k_new, Operand const& v_new, Operand const& k_cache,
+               Operand const& v_cache, int batch, int seqlen_new, int nheads_k, int head_dim, Cache const& cache,
+               uintptr_t stream) {
+  const Family family = parse_family(family_name);
+  require(batch >= 0 && seqlen_new >= 0 && nheads_k >= 1 && head_dim >= 8 && head_dim % 8 == 0,
+          "append_kv: sizes out of range");
+  if (batch == 0 || seqlen_new == 0) return;
+  for (auto [t, name] : {std::pair{&k_new, "k"}, std::pair{&v_new, "v"}, std::pair{&k_cache, "k_cache"},
+                         std::pair{&v_cache, "v_cache"}}) {
+    check_operand(name, *t);
+  }
+  FwdParams p{};
+  require(cache.seqused_k != 0, "appending to a cache needs cache_seqlens");
+  fill_cache(p, cache);
+  AppendParams a{k_new,       v_new,       k_cache,        v_cache,    batch,     seqlen_new,    nheads_k,
+                 head_dim,    p.seqused_k, p.kv_batch_idx, p.kv_batch, p.kv_rows, p.block_table, p.block_table_stride,
+                 p.page_size, p.num_pages};
+  AppendFn launch = find_append(family);
+  require(launch != nullptr, std::string("no ") + family_name + " kernels were compiled in");
+  require_family_runs(family);
+  launch(a, reinterpret_cast<cudaStream_t>(stream));
 }
 
 // What the backward pass needs from its caller besides the gradients: dq_accum's size in floats (params.h),
@@ -347,13 +490,31 @@ PYBIND11_MODULE(_C, m) {
              return Operand{reinterpret_cast<void*>(ptr), batch_stride, row_stride, head_stride};
            }),
            py::arg("ptr"), py::arg("batch_stride"), py::arg("row_stride"), py::arg("head_stride"));
+  py::class_<cuteflash::Cache>(m, "Cache", "A KV cache: int32 buffers (0: none) and its sizes (params.h)")
+      .def(py::init([](uintptr_t seqused_k, int seqlen_new, uintptr_t leftpad_k, uintptr_t kv_batch_idx, int kv_batch,
+                       int kv_rows, uintptr_t block_table, int64_t block_table_stride, int page_size, int num_pages) {
+             return cuteflash::Cache{seqused_k, seqlen_new,  leftpad_k,          kv_batch_idx, kv_batch,
+                                     kv_rows,   block_table, block_table_stride, page_size,    num_pages};
+           }),
+           py::kw_only(), py::arg("seqused_k"), py::arg("seqlen_new"), py::arg("leftpad_k"), py::arg("kv_batch_idx"),
+           py::arg("kv_batch"), py::arg("kv_rows"), py::arg("block_table") = 0, py::arg("block_table_stride") = 0,
+           py::arg("page_size") = 0, py::arg("num_pages") = 0);
   m.def("fwd", &cuteflash::fwd, py::kw_only(), py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
         py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("fp16_correction"), py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
         py::arg("total_q") = 0, py::arg("total_k") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1,
         py::arg("softcap") = 0.f, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0,
-        py::arg("dropout_p") = 0.0, py::arg("rng_state") = 0);
+        py::arg("dropout_p") = 0.0, py::arg("rng_state") = 0, py::arg("cache") = cuteflash::Cache{},
+        py::arg("num_splits") = 0, py::arg("o_accum") = 0, py::arg("lse_accum") = 0, py::arg("accum_floats") = 0);
+  m.def("fwd_plan", &cuteflash::fwd_plan, py::kw_only(), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
+        py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("varlen"), py::arg("dropout"),
+        py::arg("num_splits"),
+        "Whether the decoding kernel computes a forward pass, in how many splits, and its workspace in floats.");
+  m.def("append_kv", &cuteflash::append_kv, py::kw_only(), py::arg("family"), py::arg("k"), py::arg("v"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("batch"), py::arg("seqlen_new"), py::arg("nheads_k"),
+        py::arg("head_dim"), py::arg("cache"), py::arg("stream"),
+        "Appends new keys and values to a KV cache at each sequence's cache_seqlens.");
   m.def("bwd_workspace", &cuteflash::bwd_workspace, py::kw_only(), py::arg("family"), py::arg("head_dim"),
         py::arg("batch"), py::arg("nheads"), py::arg("seqlen_q"), py::arg("deterministic"), py::arg("total_q") = -1,
         "dq_accum's size in floats, and whether D may live in dq's memory, for a backward pass.");

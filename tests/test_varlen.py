@@ -238,7 +238,7 @@ def _cuda_int32(*values):
         ("max_seqlen_k", lambda: "6", TypeError, "max_seqlen_k must be an int"),
         ("q", lambda: torch.randn(1, 10, 2, 64, device="cuda", dtype=torch.float16), ValueError, "q must have 3 dim"),
         ("v", lambda: torch.randn(11, 2, 64, device="cuda", dtype=torch.float16), ValueError, "k and v must have"),
-        ("block_table", lambda: _cuda_int32([0], [1]), NotImplementedError, "block_table"),
+        ("block_table", lambda: _cuda_int32([0], [1]), ValueError, "k must have 4 dimensions"),
     ],
 )
 def test_varlen_bad_input(name, value, error, match):

@@ -69,7 +69,7 @@ void for_batch_kind(FwdParams const& p, LaunchFor const& launch_for) {
 // Whether p sets an option that only the variants with has_options apply (params.h).
 inline bool needs_general(FwdParams const& p) {
   return p.window_left >= 0 || p.window_right >= 0 || p.softcap > 0.f || p.alibi_slopes != nullptr ||
-         p.rng_state != nullptr;
+         p.rng_state != nullptr || p.seqused_k != nullptr;
 }
 
 // Calls launch_for(VariantConstant<V>{}) with the variant (sequence.cuh) that computes p.

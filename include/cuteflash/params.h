@@ -81,6 +81,50 @@ struct FwdParams {
   uint32_t dropout_threshold;
   float dropout_scale;
   bool fp16_correction;  // sm70: P (and dS) as hi + 2^-11 lo in their products (error-corrected fp16)
+
+  // A KV cache (flash_attn_with_kvcache), read by the general kernels and the decoding kernel (decode.cuh); null
+  // pointers: none. Sequence b reads keys [leftpad_k[b], seqused_k[b] + seqlen_new) of batch kv_batch_idx[b] of k
+  // and v, clamped to the kv_rows rows of a batch and to the kv_batch batches, so that no value reaches outside
+  // the caches; kv_rows is the cache's seqlen (in a paged cache, block_table's columns times page_size).
+  int const* seqused_k;
+  int seqlen_new;
+  int const* leftpad_k;
+  int const* kv_batch_idx;
+  int kv_batch;
+  int kv_rows;
+  // A paged cache (decoding kernel only): k and v are (num_pages, page_size, nheads_k, head_dim), their operands'
+  // batch stride that of a page; key row r of sequence b is row r % page_size of page
+  // block_table[b * block_table_stride + r / page_size] (pages outside [0, num_pages) read as zeros).
+  int const* block_table;
+  int64_t block_table_stride;
+  int page_size;
+  int num_pages;
+
+  // The decoding kernel's split of the keys (flash-decoding): with num_splits > 1 each split writes its O, divided
+  // by its own row sums, to o_accum (num_splits, batch, nheads, seqlen_q, kernel head dim) and its log-sum-exp to
+  // lse_accum (num_splits, batch, nheads, seqlen_q), fp32; a second kernel merges them into o and lse.
+  int num_splits;
+  float* o_accum;
+  float* lse_accum;
+};
+
+// Appending new keys and values to a KV cache (flash_attn_with_kvcache's k and v): row t of sequence b goes to
+// row cache_seqlens[b] + t of cache batch kv_batch_idx[b] (or of the pages of block_table), where that row exists.
+struct AppendParams {
+  Operand k_new, v_new;      // (batch, seqlen_new, nheads_k, head_dim), read only
+  Operand k_cache, v_cache;  // like FwdParams' k and v with a cache
+  int batch;
+  int seqlen_new;
+  int nheads_k;
+  int head_dim;  // a multiple of 8; 2-byte elements
+  int const* cache_seqlens;
+  int const* kv_batch_idx;
+  int kv_batch;
+  int kv_rows;
+  int const* block_table;
+  int64_t block_table_stride;
+  int page_size;
+  int num_pages;
 };
 
 // The backward pass's fp32 workspace dq_accum, which sums dQ = dS K with atomics (none for a deterministic

@@ -29,8 +29,9 @@ struct Sequence {
   int batch;
   int seqlen_q;
   int seqlen_k;
-  int q_row0;  // its first row in q, o, dout and dq (0 in a fixed-length batch)
-  int k_row0;  // in k, v, dk and dv
+  int q_row0;   // its first row in q, o, dout and dq (0 in a fixed-length batch)
+  int k_row0;   // in k, v, dk and dv
+  int k_batch;  // the batch of k and v it reads (a KV cache's kv_batch_idx; else batch)
 
   // lse and D of row r of this sequence and head `head` are at stats(p, head) + r.
   __device__ __forceinline__ int64_t stats(FwdParams const& p, int head) const {
@@ -46,22 +47,41 @@ __device__ __forceinline__ int load_offset(int const* ptr) {
   return x;
 }
 
-// The sequence of batch index `batch` for a kernel of variant V. A variable-length batch's offsets are clamped
-// to the operands' rows (and each end to its start), so that malformed cu_seqlens cannot make a kernel reach
+// Rows [row0, row0 + length) of a variable-length batch's sequence `batch`, from its offsets cu, clamped to the
+// operand's `total` rows (and each end to its start), so that malformed offsets cannot make a kernel reach
 // outside them.
+__device__ __forceinline__ void varlen_rows(int const* cu, int batch, int total, int& row0, int& length) {
+  const int begin = min(max(load_offset(cu + batch), 0), total);
+  const int end = min(max(load_offset(cu + batch + 1), begin), total);
+  row0 = begin;
+  length = end - begin;
+}
+
+// The keys of sequence `batch` in a KV cache (params.h), clamped to the cache.
+__device__ __forceinline__ void cache_rows(FwdParams const& p, int batch, Sequence& seq) {
+  const int begin = p.leftpad_k != nullptr ? min(max(load_offset(p.leftpad_k + batch), 0), p.kv_rows) : 0;
+  const int end = min(max(load_offset(p.seqused_k + batch) + p.seqlen_new, begin), p.kv_rows);
+  seq.k_row0 = begin;
+  seq.seqlen_k = end - begin;
+  if (p.kv_batch_idx != nullptr) seq.k_batch = min(max(load_offset(p.kv_batch_idx + batch), 0), p.kv_batch - 1);
+}
+
+// The sequence of batch index `batch` for a kernel of variant V.
 template <Variant V>
 __device__ __forceinline__ Sequence sequence(FwdParams const& p, int batch) {
-  if constexpr (V == Variant::kFixed) {
-    return {batch, p.seqlen_q, p.seqlen_k, 0, 0};
-  } else if constexpr (has_options(V)) {
-    return p.cu_seqlens_q != nullptr ? sequence<Variant::kVarlen>(p, batch) : sequence<Variant::kFixed>(p, batch);
-  } else {
-    const int q0 = min(max(load_offset(p.cu_seqlens_q + batch), 0), p.total_q);
-    const int q1 = min(max(load_offset(p.cu_seqlens_q + batch + 1), q0), p.total_q);
-    const int k0 = min(max(load_offset(p.cu_seqlens_k + batch), 0), p.total_k);
-    const int k1 = min(max(load_offset(p.cu_seqlens_k + batch + 1), k0), p.total_k);
-    return {batch, q1 - q0, k1 - k0, q0, k0};
+  Sequence seq{batch, p.seqlen_q, p.seqlen_k, 0, 0, batch};
+  if constexpr (V == Variant::kVarlen) {
+    varlen_rows(p.cu_seqlens_q, batch, p.total_q, seq.q_row0, seq.seqlen_q);
+    varlen_rows(p.cu_seqlens_k, batch, p.total_k, seq.k_row0, seq.seqlen_k);
+  } else if constexpr (has_options(V)) {  // either kind of batch, and KV caches
+    if (p.cu_seqlens_q != nullptr) varlen_rows(p.cu_seqlens_q, batch, p.total_q, seq.q_row0, seq.seqlen_q);
+    if (p.seqused_k != nullptr) {
+      cache_rows(p, batch, seq);
+    } else if (p.cu_seqlens_k != nullptr) {
+      varlen_rows(p.cu_seqlens_k, batch, p.total_k, seq.k_row0, seq.seqlen_k);
+    }
   }
+  return seq;
 }
 
 // Calls body(seq, tile) for the tiles of its sequence seq (of batch index blockIdx.z) that the calling thread

@@ -146,4 +146,19 @@ constexpr Sm70BwdTile sm70_bwd_tile_choice(int head_dim, int i) {
   return i == 1 ? Sm70BwdTile{32, 32, staging} : Sm70BwdTile{16, 32, staging};
 }
 
+// The decoding kernel (decode.cuh): a block of 4 warps reads a key row 8 elements per lane, by the power of two
+// of lanes that covers the head dim, each lane `steps` rows of K and of V per chunk (8 for a single query row, 4
+// beside the registers of 8 rows); a chunk is the keys of one pass. The host's split count rounds to chunks.
+constexpr int decode_lanes_per_key(int head_dim) {
+  return head_dim <= 32 ? 4 : head_dim <= 64 ? 8 : head_dim <= 128 ? 16 : 32;
+}
+constexpr int decode_steps(int rows) { return rows == 1 ? 8 : 4; }
+constexpr int decode_chunk(int head_dim, int rows) {
+  return 4 * (32 / decode_lanes_per_key(head_dim)) * decode_steps(rows);
+}
+// The most query rows per key-value head that the decoding kernel serves (seqlen_q x the GQA group), and the most
+// splits of the keys it makes.
+constexpr int kDecodeMaxRows = 8;
+constexpr int kDecodeMaxSplits = 128;
+
 }  // namespace cuteflash

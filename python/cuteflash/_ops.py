@@ -20,7 +20,7 @@ SM70_CORRECTION_ENV = "CUTEFLASH_SM70_CORRECTION"
 MAX_ROW_STRIDE = 2**24  # the kernels index inside a block of rows with 32-bit offsets
 
 
-def _in_place(t: torch.Tensor) -> bool:
+def in_place(t: torch.Tensor) -> bool:
     """Whether the kernels can read (or write) t in place: last dim contiguous, 16-byte aligned rows,
     row stride below MAX_ROW_STRIDE. Slices of a packed qkv tensor can."""
     aligned = t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
@@ -29,7 +29,7 @@ def _in_place(t: torch.Tensor) -> bool:
 
 def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
     """t itself when the kernels can read it in place, else a contiguous copy."""
-    if _in_place(t):
+    if in_place(t):
         return t
     # contiguous() returns a contiguous view at an odd offset unchanged: clone it into aligned memory.
     return t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t.contiguous()
@@ -42,14 +42,13 @@ def _operand(t: torch.Tensor):
     return compiled_module().Operand(t.data_ptr(), batch_stride, t.stride(-3), t.stride(-2))
 
 
-def _launch(device: torch.device, kernel, **kwargs) -> None:
-    """Calls a launcher of the compiled module with `device` as the current CUDA device (the kernels
-    launch on the current one), switching only when it is not already."""
+def _launch(device: torch.device, kernel, **kwargs):
+    """Calls a function of the compiled module (a launcher, or a query of the device) with `device` as the current
+    CUDA device (the kernels launch on the current one), switching only when it is not already."""
     if device.index == torch.cuda.current_device():
-        kernel(**kwargs)
-    else:
-        with torch.cuda.device(device):
-            kernel(**kwargs)
+        return kernel(**kwargs)
+    with torch.cuda.device(device):
+        return kernel(**kwargs)
 
 
 def _fp16_correction(family: str) -> bool:
@@ -155,6 +154,56 @@ def _problem(
     )
 
 
+class Cache(NamedTuple):
+    """A KV cache that the forward pass reads (flash_attn_with_kvcache): k and v are the caches, (batch_cache,
+    seqlen_cache, nheads_k, d) or, paged, (num_pages, page_size, nheads_k, d) with block_table (batch,
+    max_pages) int32. Sequence b uses keys [leftpad[b], seqlens[b] + seqlen_new) of cache batch batch_idx[b]
+    (int32 (batch,) tensors; leftpad and batch_idx may be None)."""
+
+    seqlens: torch.Tensor
+    seqlen_new: int = 0
+    leftpad: torch.Tensor | None = None
+    batch_idx: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _cache_arg(cache: Cache, k: torch.Tensor):
+    """The compiled module's Cache for cache, whose k cache is k."""
+    table = cache.block_table
+    return compiled_module().Cache(
+        seqused_k=cache.seqlens.data_ptr(),
+        seqlen_new=cache.seqlen_new,
+        leftpad_k=_ptr(cache.leftpad),
+        kv_batch_idx=_ptr(cache.batch_idx),
+        kv_batch=k.shape[0],
+        kv_rows=cache_rows(k, table),
+        block_table=_ptr(table),
+        block_table_stride=0 if table is None else table.stride(0),
+        page_size=0 if table is None else k.shape[1],
+        num_pages=0 if table is None else k.shape[0],
+    )
+
+
+def cache_rows(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """The rows of each sequence's cache: seqlen_cache, or block_table's columns times the page size."""
+    return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+
+
+def _gather_pages(cache: Cache, k: torch.Tensor, v: torch.Tensor) -> tuple[Cache, torch.Tensor, torch.Tensor]:
+    """A paged cache as a contiguous one, (batch, max_pages * page_size, nheads_k, d) per sequence, for the tiled
+    kernels (which read contiguous caches; the decoding kernel reads pages in place). Pages outside the cache read
+    as zeros, as in the decoding kernel."""
+    table = cache.block_table.long()
+    valid = (table >= 0) & (table < k.shape[0])
+    index = table.clamp(0, k.shape[0] - 1)
+    k, v = (torch.where(valid[..., None, None, None], t[index], 0).flatten(1, 2) for t in (k, v))
+    return cache._replace(batch_idx=None, block_table=None), k, v
+
+
 def _no_keys(q: torch.Tensor, k: torch.Tensor, varlen: Varlen | None) -> bool:
     """Whether no query can see a key (nor a kernel point at k's memory): k has no rows, or no batch."""
     return k.shape[-3] == 0 or (varlen is None and k.shape[0] == 0)
@@ -168,19 +217,69 @@ def fwd_impl(
     causal: bool,
     varlen: Varlen | None = None,
     options: Options = NO_OPTIONS,
+    cache: Cache | None = None,
+    num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward on unpacked q, k, v: returns out (like q) and the fp32 log-sum-exp (_lse_shape)."""
+    """Attention forward on unpacked q, k, v: returns out (like q) and the fp32 log-sum-exp (_lse_shape). With a
+    cache, k and v are the caches (read in place: the caller checks their layout). num_splits: flash-attn's
+    (0: chosen from the GPU's size; 1: none), for the calls the decoding kernel computes."""
     family = select_family(q.device)
     if family == "sm70" and q.dtype == torch.bfloat16:
         raise TypeError("bfloat16 needs an sm80 GPU (compute capability 8.0+); use float16 on this GPU")
-    q, k, v = (_kernel_operand(t) for t in (q, k, v))
+    q = _kernel_operand(q)
+    if cache is None:
+        k, v = _kernel_operand(k), _kernel_operand(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
-    if _no_keys(q, k, varlen):  # every row is empty
+    seqlen_k = k.shape[-3] if cache is None else cache_rows(k, cache.block_table)
+    if seqlen_k == 0 or (varlen is None and k.shape[0] == 0):  # every row is empty
         return out.zero_(), lse.fill_(float("inf"))
     problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options)
-    _launch(q.device, compiled_module().fwd, **problem)
+    plan = _launch(
+        q.device,
+        compiled_module().fwd_plan,
+        batch=problem["batch"],
+        nheads=problem["nheads"],
+        nheads_k=problem["nheads_k"],
+        seqlen_q=problem["seqlen_q"],
+        seqlen_k=seqlen_k,
+        head_dim=problem["head_dim"],
+        varlen=varlen is not None,
+        dropout=options.dropout_p > 0,
+        num_splits=num_splits,
+    )
+    if cache is not None:
+        if cache.block_table is not None and plan["splits"] == 0:
+            cache, k, v = _gather_pages(cache, k, v)
+            problem.update(k=_operand(k), v=_operand(v))
+        problem.update(cache=_cache_arg(cache, k), seqlen_k=seqlen_k)
+    if plan["splits"] > 1:
+        o_accum = torch.empty(plan["o_accum_floats"], dtype=torch.float32, device=q.device)
+        lse_accum = torch.empty(plan["lse_accum_floats"], dtype=torch.float32, device=q.device)
+        problem.update(o_accum=o_accum.data_ptr(), lse_accum=lse_accum.data_ptr(), accum_floats=o_accum.numel())
+    _launch(q.device, compiled_module().fwd, **problem, num_splits=plan["splits"])
     return out, lse
+
+
+def append_kv(k_cache, v_cache, k, v, cache: Cache) -> None:
+    """Writes k and v (batch, seqlen_new, nheads_k, d) into the caches at each sequence's cache.seqlens (rows
+    past a sequence's cache are left out)."""
+    k, v = _kernel_operand(k), _kernel_operand(v)
+    _launch(
+        k.device,
+        compiled_module().append_kv,
+        family=select_family(k.device),
+        k=_operand(k),
+        v=_operand(v),
+        k_cache=_operand(k_cache),
+        v_cache=_operand(v_cache),
+        batch=k.shape[0],
+        seqlen_new=k.shape[1],
+        nheads_k=k.shape[2],
+        head_dim=k.shape[3],
+        cache=_cache_arg(cache, k_cache),
+        stream=torch.cuda.current_stream(k.device).cuda_stream,
+    )
 
 
 @torch.library.custom_op("cuteflash::fwd", mutates_args=(), device_types="cuda")
@@ -276,7 +375,7 @@ def bwd_into(
     dq_accum = torch.empty(workspace["dq_accum_floats"], **f32)
     # The kernels write into dq, dk, dv in place where they can read them as operands (any view of a packed
     # gradient), else into fresh tensors copied over.
-    dq_k = dq if _in_place(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dq_k = dq if in_place(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if workspace["d_rowsum_in_dq"] and dq_k.is_contiguous():
         d_rowsum = dq_k.view(-1)[: 2 * lse.numel()].view(torch.float32).view(lse.shape)
     else:
@@ -285,7 +384,7 @@ def bwd_into(
     grouped = nheads != nheads_k
     dk_k, dv_k = (
         t
-        if not grouped and _in_place(t)
+        if not grouped and in_place(t)
         else torch.empty(q.shape[:-3] + k.shape[-3:-2] + (nheads, head_dim), dtype=q.dtype, device=q.device)
         for t in (dk, dv)
     )
@@ -392,6 +491,51 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def kvcache_impl(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    cache_seqlens: torch.Tensor,
+    cache_batch_idx: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_with_kvcache after its checks and rotary embedding: appends k and v (when given) to the caches in
+    place at cache_seqlens, then attends q to each sequence's cache. Returns out and the log-sum-exp
+    (batch, nheads, seqlen_q)."""
+    cache = Cache(cache_seqlens, 0 if k is None else k.shape[1], cache_leftpad, cache_batch_idx, block_table)
+    if k is not None:
+        append_kv(k_cache, v_cache, k, v, cache)
+    options = Options(window_left, window_right, softcap, alibi_slopes)
+    return fwd_impl(q, k_cache, v_cache, softmax_scale, causal, None, options, cache, num_splits)
+
+
+# The op declares that it writes the caches, so that torch.compile orders it against their other uses.
+fwd_kvcache = torch.library.custom_op(
+    "cuteflash::fwd_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda"
+)(kvcache_impl)
+
+
+def forward_kvcache(*args):
+    """fwd_kvcache: the op under torch.compile, otherwise its implementation directly (the dispatcher's cost per
+    call is a large part of a decoding step's)."""
+    return fwd_kvcache(*args) if torch.compiler.is_compiling() else kvcache_impl(*args)
+
+
+@fwd_kvcache.register_fake
+def _(q, *rest):
+    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 def _round128(n: int) -> int:

@@ -16,6 +16,7 @@ import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 # (batch, heads, seqlen, headdim)
 SUITES = {
@@ -35,6 +36,7 @@ SUITES = {
     "baselines": [(16, 16, 1024, 64), (8, 16, 2048, 64), (4, 16, 4096, 128), (2, 16, 8192, 128), (1, 32, 4096, 256)],
     "varlen": [],  # VARLEN_MIXED and VARLEN_EQUAL only
     "options": [],  # OPTIONS_SHAPE only
+    "decode": [],  # DECODE_SHAPES only
 }
 QUICK_SHAPES = [(1, 4, 256, 64), (1, 16, 1024, 128)]
 # Variable-length batches (flash_attn_varlen_func), causal. "mixed": lengths drawn uniformly from 128-4096 up
@@ -52,6 +54,11 @@ OPTIONS = {
     "alibi": {},
     "dropout 0.1": {"dropout_p": 0.1},
 }
+# Decoding (flash_attn_with_kvcache, one query per sequence, 32 heads of 128, fp16): (batch, cached keys), timed
+# beside SDPA's backends on the same keys, and as paged caches (pages of 16 and 256 rows); the cache read is also
+# given as a fraction of the GPU's copy bandwidth (a device-to-device copy, measured in the same run).
+DECODE_SHAPES = [(1, 8192), (1, 65536), (8, 8192), (32, 8192)]
+DECODE_HEADS, DECODE_HEAD_DIM, DECODE_PAGES = 32, 128, (16, 256)
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")  # math: plain PyTorch attention
 FAST_SDPA = SDPA_BACKENDS[:3]
 IMPLS = ("cuteflash",) + SDPA_BACKENDS
@@ -493,6 +500,70 @@ def run_options(args, dtype_name: str) -> list[VarlenResult]:
     return results
 
 
+def _copy_bandwidth(args) -> float:
+    """GB/s of a 1 GiB device-to-device copy (read + write)."""
+    import torch
+
+    src = torch.empty(2**29, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_ms([lambda: dst.copy_(src)], args.repeats)
+    return 2 * src.numel() * 2 / ms / 1e6
+
+
+def run_decode(args) -> list[list[str]]:
+    """DECODE_SHAPES: rows of a table of microseconds per call, cuteflash's and SDPA's, and bandwidths."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from . import flash_attn_with_kvcache
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    backends["efficient"] = SDPBackend.EFFICIENT_ATTENTION
+    copy_gbs = _copy_bandwidth(args)
+    rows = [
+        ["batch x keys", "cuteflash us", *(f"{b} us" for b in backends), "x best SDPA", "cache GB/s", "of copy"]
+        + [f"paged {p} us" for p in DECODE_PAGES]
+    ]
+    heads, d = DECODE_HEADS, DECODE_HEAD_DIM
+    for batch, keys in DECODE_SHAPES:
+        dev = dict(device="cuda", dtype=torch.float16)
+        q = torch.randn(batch, 1, heads, d, **dev)
+        k_cache, v_cache = (torch.randn(batch, keys, heads, d, **dev) for _ in range(2))
+        seqlens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+        ours = _time_ms([partial(flash_attn_with_kvcache, q, k_cache, v_cache, cache_seqlens=seqlens)], args.repeats)
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k_cache, v_cache))
+        del k_cache, v_cache
+        sdpa = {}
+        for name, backend in backends.items():
+            if name not in args.peers:
+                continue
+            try:
+                with sdpa_kernel(backend):
+                    sdpa[name] = _time_ms([partial(F.scaled_dot_product_attention, qt, kt, vt)], args.repeats)
+            except RuntimeError:
+                sdpa[name] = None
+        del kt, vt
+        paged = []
+        for page in DECODE_PAGES:
+            pages = batch * keys // page
+            kp, vp = (torch.randn(pages, page, heads, d, **dev) for _ in range(2))
+            table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, -1)
+            call = partial(flash_attn_with_kvcache, q, kp, vp, cache_seqlens=seqlens, block_table=table)
+            paged.append(_time_ms([call], args.repeats))
+            del kp, vp
+        best = min((t for t in sdpa.values() if t), default=None)
+        gbs = 2 * batch * keys * heads * d * 2 / ours / 1e6
+        rows.append(
+            [f"{batch} x {keys}", f"{ours * 1e3:.1f}"]
+            + [f"{sdpa[n] * 1e3:.1f}" if sdpa.get(n) else "-" for n in backends]
+            + [f"{best / ours:.2f}x" if best else "-", f"{gbs:.0f}", f"{gbs / copy_gbs:.0%}"]
+            + [f"{t * 1e3:.1f}" for t in paged]
+        )
+    print(f"\ncopy bandwidth: {copy_gbs:.0f} GB/s (device-to-device, read + write)")
+    return rows
+
+
 def varlen_table(results: list[VarlenResult], ours_key: str = "cuteflash varlen") -> list[list[str]]:
     rows = [["case", "dtype", "dir", f"{ours_key.split()[-1]} ms", "peer", "peer ms", "speedup"]]
     for r in results:
@@ -735,7 +806,8 @@ def main(argv=None) -> int:
     cases = build_cases(args, bf16_ok=bf16_ok, head_dims_ok=built["head_dims"])
     varlen_runs = not args.quick and args.suite in ("default", "varlen") and VARLEN_MIXED[4] in built["head_dims"]
     options_runs = args.suite == "options" and OPTIONS_SHAPE[3] in built["head_dims"]
-    if not cases and not varlen_runs and not options_runs:
+    decode_runs = args.suite == "decode" and DECODE_HEAD_DIM in built["head_dims"]
+    if not cases and not varlen_runs and not options_runs and not decode_runs:
         print("cuteflash.bench: this build serves none of the requested head dims", file=sys.stderr)
         return 2
     results = [run_case(case, args) for case in _progress(cases, len(cases))]
@@ -747,6 +819,9 @@ def main(argv=None) -> int:
     if options_runs:
         for dtype in args.dtype or (["fp16", "bf16"] if bf16_ok else ["fp16"]):
             options += run_options(args, dtype)
+    if decode_runs:
+        title = f"Decoding: flash_attn_with_kvcache, 1 query, {DECODE_HEADS} heads of {DECODE_HEAD_DIM}, fp16"
+        print("\n" + format_rows(title, run_decode(args)))
     if results:
         print_tables(results)
     if varlen:

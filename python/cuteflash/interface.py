@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ops, reference
+from .rotary import apply_rotary_emb
 
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -65,6 +66,12 @@ def _attn_probs(q, k, lse, varlen, softmax_scale, causal, options: _ops.Options)
     return torch.where(keep, probs, -probs).to(q.dtype)
 
 
+def _check_scale(softmax_scale) -> float:
+    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
 def _check_options(q, batch: int, window_size, softcap, alibi_slopes) -> tuple:
     """window_size as two ints (a negative side: unbounded, -1), softcap as a float >= 0, and alibi_slopes
     (fp32, (nheads,) or (batch, nheads), on q's device) checked; returns them as _ops.fwd takes them."""
@@ -100,8 +107,10 @@ def _check_options(q, batch: int, window_size, softcap, alibi_slopes) -> tuple:
     return (*window, float(softcap), alibi_slopes)
 
 
-def _check_qkv(q, k, v, varlen: bool) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def _check_qkv(q, k, v, varlen: bool, names=("q", "k", "v"), same_batch: bool = True) -> None:
+    """q, k, v (as `names` calls them): tensors of one supported dtype and device, shaped alike; same_batch: k's
+    batch is q's."""
+    for name, t in zip(names, (q, k, v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _DTYPES:
@@ -118,28 +127,29 @@ def _check_qkv(q, k, v, varlen: bool) -> None:
             raise ValueError(
                 f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}"
             )
+    qn, kn, vn = names
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"{qn}, {kn}, {vn} must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(f"{kn} and {vn} must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     nheads, head_dim = q.shape[-2:]
-    if not varlen and k.shape[0] != q.shape[0]:
-        raise ValueError(f"q has batch {q.shape[0]} but k and v have batch {k.shape[0]}")
+    if not varlen and same_batch and k.shape[0] != q.shape[0]:
+        raise ValueError(f"{qn} has batch {q.shape[0]} but {kn} and {vn} have batch {k.shape[0]}")
     if k.shape[-1] != head_dim:
-        raise ValueError(f"q has head dim {head_dim} but k and v have {k.shape[-1]}; they must match")
+        raise ValueError(f"{qn} has head dim {head_dim} but {kn} and {vn} have {k.shape[-1]}; they must match")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim {head_dim} is not supported: cuteflash supports head dims 1 to {MAX_HEAD_DIM}")
     nheads_k = k.shape[-2]
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(
-            f"q has {nheads} heads, k and v have {nheads_k}: the number of query heads must be a "
+            f"{qn} has {nheads} heads, {kn} and {vn} have {nheads_k}: the number of query heads must be a "
             "multiple of the number of key/value heads (MQA/GQA)"
         )
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in zip(names, (q, k, v)):
         if t.device.type != "cuda":
             raise ValueError(f"{name} is on {t.device}; cuteflash runs on CUDA GPUs: move it with {name}.cuda()")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(f"{qn}, {kn}, {vn} must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
 def _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
@@ -189,10 +199,8 @@ def _attention(
     """q, k, v as _ops.unpack reads them (k None: q is qkv packed; v None: k is kv packed); varlen: None, or
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
     dropout_p = _check_dropout(dropout_p)
-    if softmax_scale is not None and not (
-        isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0
-    ):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    if softmax_scale is not None:
+        _check_scale(softmax_scale)
     unpacked = _ops.unpack(q, k, v)
     _check_qkv(*unpacked, varlen is not None)
     varlen = (None, None, 0, 0) if varlen is None else _check_varlen(q, *varlen)
@@ -415,7 +423,9 @@ def flash_attn_varlen_func(
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic: as flash_attn_func.
         return_attn_probs: bool. Also return the log-sum-exp and, with dropout, the attention probabilities
             with the dropout mask (for testing: it reads cu_seqlens on the host).
-        block_table: paged key/value caches; not implemented yet, only None is accepted.
+        block_table: (batch_size, max_num_blocks_per_seq), torch.int32, or None: k and v are then paged caches
+            (num_blocks, page_block_size, nheads_k, headdim), as flash_attn_with_kvcache reads them, and sequence
+            b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages. Forward only.
     Return:
         out: (total_q, nheads, headdim). Rows of q outside every sequence are left undefined.
         softmax_lse [if return_attn_probs]: (nheads, total_q), float32.
@@ -424,9 +434,21 @@ def flash_attn_varlen_func(
             flash_attn_func's. Without dropout, None.
     """
     if block_table is not None:
-        raise NotImplementedError(
-            "block_table: a paged key/value cache is not implemented in cuteflash yet; pass None with k and v "
-            "holding each sequence's keys and values"
+        return _paged_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            return_attn_probs,
+            block_table,
         )
     return _attention(
         q,
@@ -516,3 +538,228 @@ def flash_attn_varlen_kvpacked_func(
         deterministic,
         return_attn_probs,
     )
+
+
+def _check_int32(name: str, t, shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+    """An optional int32 tensor of the given shape on `device`, made contiguous."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32 or None, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {t.dtype}; it must be torch.int32: convert with {name}.int()")
+    if t.dim() != len(shape) or any(want >= 0 and got != want for got, want in zip(t.shape, shape)):
+        raise ValueError(f"{name} must have shape {tuple(d if d >= 0 else 'any' for d in shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; move it with {name}.to(q.device)")
+    return t.contiguous()
+
+
+def _check_caches(
+    q, k_cache, v_cache, batch: int, block_table, names=("q", "k_cache", "v_cache")
+) -> torch.Tensor | None:
+    """k_cache and v_cache, read and written in place: q's dtype, device and head dim, a layout the kernels take
+    as it is; with block_table (returned checked) paged, pages of a multiple of 16 rows."""
+    _check_qkv(q, k_cache, v_cache, False, names, same_batch=False)
+    head_dim = q.shape[-1]
+    if head_dim % 8:
+        raise ValueError(
+            f"flash_attn_with_kvcache needs a head dim that is a multiple of 8 (the caches are read in place), "
+            f"got {head_dim}"
+        )
+    for name, t in zip(names[1:], (k_cache, v_cache)):
+        # (Under torch.compile the addresses are unknown when tracing: the compiled module checks them at run time.)
+        if not torch.compiler.is_compiling() and not _ops.in_place(t):
+            raise ValueError(
+                f"{name} must have a contiguous last dimension, 16-byte aligned rows and strides that are "
+                f"multiples of 8 elements (a tensor made with torch.empty / torch.zeros is); got strides {t.stride()}"
+            )
+    if block_table is None:
+        return None
+    block_table = _check_int32("block_table", block_table, (batch, -1), q.device)
+    if k_cache.shape[1] % 16:
+        raise ValueError(
+            f"the page size of a paged cache (k_cache.shape[1]) must be a multiple of 16, got {k_cache.shape[1]}"
+        )
+    return block_table
+
+
+def _paged_varlen(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    return_attn_probs,
+    block_table,
+):
+    """flash_attn_varlen_func with paged caches (block_table): forward only, as in flash-attn."""
+    if _check_dropout(dropout_p) > 0:
+        raise NotImplementedError("dropout_p > 0 with block_table is not implemented; pass dropout_p=0.0")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        raise NotImplementedError(
+            "block_table: the backward pass through a paged cache is not implemented (flash-attn has none either); "
+            "call under torch.no_grad() or detach the inputs"
+        )
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError("q must be a (total_q, nheads, headdim) tensor in a variable-length batch")
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _ = _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 0)
+    batch = cu_seqlens_q.numel() - 1
+    block_table = _check_caches(q.unsqueeze(0), k_cache, v_cache, batch, block_table, ("q", "k", "v"))
+    window_left, window_right, softcap, alibi_slopes = _check_options(q, batch, window_size, softcap, alibi_slopes)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else _check_scale(softmax_scale)
+    seqlens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).int()
+    out, lse = _ops.fwd_impl(
+        q,
+        k_cache,
+        v_cache,
+        scale,
+        bool(causal),
+        _ops.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _ops.cache_rows(k_cache, block_table)),
+        _ops.Options(window_left, window_right, softcap, alibi_slopes),
+        _ops.Cache(seqlens_k, block_table=block_table),
+    )
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q to a KV cache, for inference: incremental decoding, chunked prefill, speculative decoding.
+
+    When k and v are given they are first written into k_cache and v_cache, *in place*, at rows cache_seqlens[b],
+    cache_seqlens[b] + 1, ... of each sequence b, and attended to with the rest of its cache. The caches must be
+    large enough: a new row past a sequence's cache is not written (and not attended to).
+
+    With rotary_cos and rotary_sin (needs k and v), the new keys are rotated at positions cache_seqlens[b],
+    cache_seqlens[b] + 1, ... before they are written, and so is q where causal or a window is set; otherwise
+    every query is rotated at position cache_seqlens[b]. rotary_interleaved=True pairs dimensions (0, 1), (2, 3),
+    ... (GPT-J); False pairs i with i + rotary_dim / 2 (GPT-NeoX).
+
+    The masks are flash_attn_func's, with seqlen_k each sequence's number of keys (cache_seqlens[b] + seqlen_new,
+    less cache_leftpad[b]): causal aligns the diagonal to the last key. When a handful of query rows share a
+    key/value head (seqlen_q x nheads / nheads_k <= 8, as in decoding), a kernel built for reading the cache runs
+    and splits the keys across thread blocks when the batch and heads alone would leave the GPU idle; the splits'
+    results are merged by their log-sum-exp, in a fixed order (the result does not depend on timing). No host
+    synchronisation and launch shapes that depend on sizes only: the call can be captured in a CUDA graph.
+
+    Arguments:
+        q: (batch_size, seqlen_q, nheads, headdim), float16 or bfloat16; headdim a multiple of 8, at most 256.
+        k_cache, v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with block_table paged caches
+            (num_blocks, page_block_size, nheads_k, headdim) with page_block_size a multiple of 16. Read and
+            written in place: last dimension contiguous, 16-byte aligned rows.
+        k, v: (batch_size, seqlen_new, nheads_k, headdim) or None: new keys and values to append.
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) or None (cuteflash.rotary.apply_rotary_emb's).
+        cache_seqlens: int, or (batch_size,) torch.int32: the keys each cache holds before k and v are appended.
+            None: the whole cache (seqlen_cache, or the pages of block_table); needed when k and v are given.
+        cache_batch_idx: (batch_size,) torch.int32 or None: the cache batch of each sequence (default b). Indices
+            out of range are clamped when read and skipped when appending.
+        cache_leftpad: (batch_size,) torch.int32 or None: the first cache row of each sequence (default 0).
+        block_table: (batch_size, max_num_blocks_per_seq) torch.int32 or None: the pages of each sequence; row r of
+            the sequence is row r % page_block_size of page block_table[b, r // page_block_size]. A page index out
+            of range reads as zeros and is not written.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as flash_attn_func.
+        num_splits: int. 0 picks the number of key splits of the decoding kernel from the GPU's SM count; 1 turns
+            splitting off; n > 1 asks for n (at most 128, and no more than the keys allow). The tiled kernels
+            that compute larger seqlen_q do not split.
+        return_softmax_lse: bool. Also return the log-sum-exp (batch_size, nheads, seqlen_q), float32.
+    Return:
+        out: (batch_size, seqlen_q, nheads, headdim), and softmax_lse if return_softmax_lse. No backward pass.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(
+            f"q must be a (batch_size, seqlen_q, nheads, headdim) tensor, got "
+            f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}"
+        )
+    batch, seqlen_q = q.shape[:2]
+    block_table = _check_caches(q, k_cache, v_cache, batch, block_table)
+    if block_table is None and cache_batch_idx is None and k_cache.shape[0] < batch:
+        raise ValueError(
+            f"k_cache has {k_cache.shape[0]} batches for {batch} sequences: pass cache_batch_idx, or caches with a "
+            "batch per sequence"
+        )
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v (new keys and values to append) or neither")
+    if k is not None:
+        _check_qkv(q, k, v, False, ("q", "k", "v"))
+        if k.shape[2] != k_cache.shape[2]:
+            raise ValueError(f"k has {k.shape[2]} heads but k_cache has {k_cache.shape[2]}; they must match")
+        if cache_seqlens is None:
+            raise ValueError("appending k and v needs cache_seqlens: the keys each cache holds before them")
+    rows = _ops.cache_rows(k_cache, block_table)
+    if cache_seqlens is None:
+        cache_seqlens = rows
+    if isinstance(cache_seqlens, int):
+        if not 0 <= cache_seqlens <= rows:
+            raise ValueError(f"cache_seqlens must be in [0, {rows}] (the cache's rows), got {cache_seqlens}")
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    cache_seqlens = _check_int32("cache_seqlens", cache_seqlens, (batch,), q.device)
+    cache_batch_idx = _check_int32("cache_batch_idx", cache_batch_idx, (batch,), q.device)
+    cache_leftpad = _check_int32("cache_leftpad", cache_leftpad, (batch,), q.device)
+    if block_table is not None and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx does not apply to a paged cache: block_table names each sequence's pages")
+    window_left, window_right, softcap, alibi_slopes = _check_options(q, batch, window_size, softcap, alibi_slopes)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else _check_scale(softmax_scale)
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen for the GPU, 1: no split), got {num_splits!r}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("pass both rotary_cos and rotary_sin, or neither")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos and rotary_sin apply to new keys: pass k and v as well")
+        local = tuple(window_size) != (-1, -1)
+        if causal or local:
+            q = apply_rotary_emb(q, rotary_cos, rotary_sin, rotary_interleaved, seqlen_offsets=cache_seqlens)
+        else:  # every query at position cache_seqlens
+            q = apply_rotary_emb(
+                q.reshape(batch, 1, -1, q.shape[-1]),
+                rotary_cos,
+                rotary_sin,
+                rotary_interleaved,
+                seqlen_offsets=cache_seqlens,
+            ).view(q.shape)
+        k = apply_rotary_emb(k, rotary_cos, rotary_sin, rotary_interleaved, seqlen_offsets=cache_seqlens)
+    out, lse = _ops.forward_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        float(scale),
+        bool(causal),
+        window_left,
+        window_right,
+        softcap,
+        alibi_slopes,
+        num_splits,
+    )
+    return (out, lse) if return_softmax_lse else out

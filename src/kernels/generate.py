@@ -22,6 +22,8 @@ HEAD_DIMS = tuple(
 DTYPES = {"fp16": ("kFloat16", "cutlass::half_t"), "bf16": ("kBFloat16", "cutlass::bfloat16_t")}
 # Direction -> (params struct, launcher pointer type) of include/cuteflash/params.h and dispatch.h.
 DIRECTIONS = {"fwd": ("FwdParams", "FwdFn"), "bwd": ("BwdParams", "BwdFn")}
+# The decoding kernel (include/cuteflash/decode.cuh) comes with each forward kernel, in a file of its own.
+LAUNCHERS = dict(DIRECTIONS, decode=("FwdParams", "FwdFn"))
 # Which dtypes and directions each family implements.
 FAMILIES = {
     "sm70": {"dtypes": ("fp16",), "directions": ("fwd", "bwd")},
@@ -37,13 +39,19 @@ def kernel_name(direction: str, family: str, dtype: str, head_dim: int) -> str:
 
 def kernel_source(direction: str, family: str, dtype: str, head_dim: int) -> str:
     cpp_type = DTYPES[dtype][1]
+    # The decoding kernel is the same source for both families, compiled for each family's targets.
+    header, launcher = (
+        ("cuteflash/decode.cuh", "run_decode")
+        if direction == "decode"
+        else (f"cuteflash/{family}/{direction}_launch.cuh", f"{family}::run_{direction}")
+    )
     return (
         HEADER
-        + f'#include "cuteflash/{family}/{direction}_launch.cuh"\n\n'
+        + f'#include "{header}"\n\n'
         + "namespace cuteflash {\n\n"
-        + f"void {kernel_name(direction, family, dtype, head_dim)}({DIRECTIONS[direction][0]} const& p, "
+        + f"void {kernel_name(direction, family, dtype, head_dim)}({LAUNCHERS[direction][0]} const& p, "
         + "cudaStream_t stream) {\n"
-        + f"  {family}::run_{direction}<{cpp_type}, {head_dim}>(p, stream);\n"
+        + f"  {launcher}<{cpp_type}, {head_dim}>(p, stream);\n"
         + "}\n\n}  // namespace cuteflash\n"
     )
 
@@ -51,10 +59,12 @@ def kernel_source(direction: str, family: str, dtype: str, head_dim: int) -> str
 def probe_source(family: str) -> str:
     # cudaFuncGetAttributes on a kernel of the family fails unless the family's fat binary holds code
     # this device can run: the run-time test that the family was compiled for this GPU. The family's
-    # dropout mask kernel (for return_attn_probs) lives here too: one per family, not per head dim.
+    # dropout mask kernel (for return_attn_probs) and KV cache append live here too: one per family, not per
+    # head dim.
     return (
         HEADER
         + "#include <cuda_runtime.h>\n\n"
+        + '#include "cuteflash/cache_append.cuh"\n'
         + '#include "cuteflash/dropout_mask.cuh"\n\n'
         + "namespace cuteflash {\n\n"
         + f"__global__ void probe_kernel_{family}() {{}}\n\n"
@@ -66,7 +76,9 @@ def probe_source(family: str) -> str:
         + "}\n\n"
         + f"void dropout_mask_{family}(FwdParams const& p, uint8_t* keep, int rows, int cols, cudaStream_t stream) {{\n"
         + "  launch_dropout_mask(p, keep, rows, cols, stream);\n"
-        + "}\n\n}  // namespace cuteflash\n"
+        + "}\n\n"
+        + f"void append_kv_{family}(AppendParams const& a, cudaStream_t stream) {{ run_append_kv(a, stream); }}\n\n"
+        + "}  // namespace cuteflash\n"
     )
 
 
@@ -77,7 +89,8 @@ def dispatch_source(kernels: list[tuple[str, str, str, int]], families: list[str
         f"void dropout_mask_{f}(FwdParams const& p, uint8_t* keep, int rows, int cols, cudaStream_t stream);"
         for f in families
     ]
-    lines += [f"void {kernel_name(*k)}({DIRECTIONS[k[0]][0]} const& p, cudaStream_t stream);" for k in kernels]
+    lines += [f"void append_kv_{f}(AppendParams const& a, cudaStream_t stream);" for f in families]
+    lines += [f"void {kernel_name(*k)}({LAUNCHERS[k[0]][0]} const& p, cudaStream_t stream);" for k in kernels]
     lines += ["", "bool family_runs(Family family) {", "  switch (family) {"]
     for f in families:
         lines += [f"    case Family::k{f.capitalize()}:", f"      return family_runs_{f}();"]
@@ -86,8 +99,12 @@ def dispatch_source(kernels: list[tuple[str, str, str, int]], families: list[str
     for f in families:
         lines += [f"    case Family::k{f.capitalize()}:", f"      return &dropout_mask_{f};"]
     lines += ["    default:", "      return nullptr;", "  }", "}", ""]
+    lines += ["AppendFn find_append(Family family) {", "  switch (family) {"]
+    for f in families:
+        lines += [f"    case Family::k{f.capitalize()}:", f"      return &append_kv_{f};"]
+    lines += ["    default:", "      return nullptr;", "  }", "}", ""]
 
-    for direction, (_, fn_type) in DIRECTIONS.items():
+    for direction, (_, fn_type) in LAUNCHERS.items():
         lines += [f"{fn_type} find_{direction}(Family family, DType dtype, int head_dim) {{", "  switch (family) {"]
         for f in families:
             ks = [k for k in kernels if k[0] == direction and k[1] == f]
@@ -106,7 +123,9 @@ def dispatch_source(kernels: list[tuple[str, str, str, int]], families: list[str
 
     lines += ["std::vector<KernelInfo> compiled_kernels() {", "  return {"]
     lines += [
-        f'      {{Family::k{f.capitalize()}, "{d}", DType::{DTYPES[dt][0]}, {hd}}},' for (d, f, dt, hd) in kernels
+        f'      {{Family::k{f.capitalize()}, "{d}", DType::{DTYPES[dt][0]}, {hd}}},'
+        for (d, f, dt, hd) in kernels
+        if d in DIRECTIONS
     ]
     lines += ["  };", "}", ""]
     lines += ["}  // namespace cuteflash", ""]
@@ -147,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         if dtype in FAMILIES[family]["dtypes"]
         for hd in args.headdims
     ]
+    kernels += [("decode", *k[1:]) for k in kernels if k[0] == "fwd"]
     files = {f"probe_{f}.cu": probe_source(f) for f in args.families}
     files.update({f"{kernel_name(*k)[4:]}.cu": kernel_source(*k) for k in kernels})
     files["dispatch.cpp"] = dispatch_source(kernels, args.families)

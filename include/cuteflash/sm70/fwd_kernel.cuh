@@ -58,8 +58,8 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   const int q_row = m_block * kBlockM + row_in_block;
 
   const auto gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, seq.batch, head, seq.q_row0);
-  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, seq.batch, head_k, seq.k_row0);
-  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, seq.batch, head_k, seq.k_row0);
+  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, seq.k_batch, head_k, seq.k_row0);
+  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, seq.k_batch, head_k, seq.k_row0);
   // block(i) of gQ: (kBlockM, kHeadDim); of gK, gV: (kBlockN, kHeadDim)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});   // (kBlockM, kHeadDim)
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});  // (kBlockN, kHeadDim)

@@ -118,8 +118,8 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 
   Tensor gQ = head_rows<kBlockM, kHeadDim, Element const>(p.q, seq.batch, head, seq.q_row0).block(m_block);
   Tensor gO = head_rows<kBlockM, kHeadDim, Element>(p.o, seq.batch, head, seq.q_row0).block(m_block);
-  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, seq.batch, head_k, seq.k_row0);
-  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, seq.batch, head_k, seq.k_row0);
+  const auto gK = head_rows<kBlockN, kHeadDim, Element const>(p.k, seq.k_batch, head_k, seq.k_row0);
+  const auto gV = head_rows<kBlockN, kHeadDim, Element const>(p.v, seq.k_batch, head_k, seq.k_row0);
   // gQ, gO: (kBlockM, kHeadDim); block(i) of gK, gV: (kBlockN, kHeadDim)
   float* lse = p.lse + seq.stats(p, head) + m_block * kBlockM;
 

@@ -1,0 +1,49 @@
+// Appending flash_attn_with_kvcache's new keys and values to a KV cache (params.h's AppendParams), before the
+// attention kernel reads the cache on the same stream. Elements are moved as bytes, 16 at a time, so one kernel
+// serves every 2-byte dtype; a row whose place in the cache does not exist (past its rows, a page or cache batch
+// out of range) is left out rather than written out of bounds.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuteflash/launch.h"
+#include "cuteflash/params.h"
+
+namespace cuteflash {
+
+static __global__ void __launch_bounds__(256) append_kv_kernel(const AppendParams a) {
+  const int chunks = a.head_dim / 8;  // 16 bytes each
+  const int64_t total = int64_t(a.batch) * a.seqlen_new * a.nheads_k * chunks;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(idx % chunks), head = int(idx / chunks % a.nheads_k);
+    const int t = int(idx / chunks / a.nheads_k % a.seqlen_new), b = int(idx / chunks / a.nheads_k / a.seqlen_new);
+    const int pos = a.cache_seqlens[b] + t;
+    if (pos < 0 || pos >= a.kv_rows) continue;
+    int cache_batch = b, row = pos;
+    if (a.block_table != nullptr) {
+      cache_batch = a.block_table[b * a.block_table_stride + pos / a.page_size];
+      row = pos % a.page_size;
+      if (cache_batch < 0 || cache_batch >= a.num_pages) continue;
+    } else if (a.kv_batch_idx != nullptr) {
+      cache_batch = a.kv_batch_idx[b];
+      if (cache_batch < 0 || cache_batch >= a.kv_batch) continue;
+    }
+    *reinterpret_cast<uint4*>(a.k_cache.at<uint16_t>(cache_batch, head, row) + c * 8) =
+        *reinterpret_cast<uint4 const*>(a.k_new.at<uint16_t const>(b, head, t) + c * 8);
+    *reinterpret_cast<uint4*>(a.v_cache.at<uint16_t>(cache_batch, head, row) + c * 8) =
+        *reinterpret_cast<uint4 const*>(a.v_new.at<uint16_t const>(b, head, t) + c * 8);
+  }
+}
+
+inline void run_append_kv(AppendParams const& a, cudaStream_t stream) {
+  const int64_t total = int64_t(a.batch) * a.seqlen_new * a.nheads_k * (a.head_dim / 8);
+  if (total == 0) return;
+  const int blocks = int(std::min<int64_t>((total + 255) / 256, 8192));
+  launch(&append_kv_kernel, dim3(blocks), 256, 0, stream, a, "KV cache append");
+}
+
+}  // namespace cuteflash

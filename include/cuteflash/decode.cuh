@@ -1,0 +1,356 @@
+// The decoding kernel: attention of the few query rows that share a key-value head (seqlen_q times the GQA group,
+// at most kDecodeMaxRows) against many keys, for either family. With so few rows, reading K and V is the whole
+// cost, so the kernel is built for it: CUDA cores rather than tensor-core tiles of 64 or more rows, each lane
+// loading 16 bytes of a key row at a time, a paged cache read row by row, and the keys split across thread blocks
+// where batch x heads alone cannot fill the GPU (flash-decoding), each split's result merged by its log-sum-exp.
+//
+// A thread block (4 warps) takes one split of one (sequence, key-value head) and walks its keys in chunks. Per
+// chunk, each warp reads its keys (kLanesPerKey lanes per key row, kKeysPerStep rows per load), reduces each row's
+// dot products with the queries across those lanes and writes the scores to shared memory; the warp that owns a
+// query row then updates the row's running max and sum and turns the chunk's scores into probabilities; every warp
+// finally rescales its part of O and adds its keys' P V. At the end the warps' parts of O are summed.
+#pragma once
+
+#include "cuteflash/launch.h"
+#include "cuteflash/mask.cuh"
+#include "cuteflash/tile_config.h"
+#include "cuteflash/utils.cuh"
+
+namespace cuteflash {
+
+template <typename Element_, int kHeadDim_, int kRows_>
+struct DecodeTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kRows = kRows_;  // query rows held (a block serves up to this many)
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  // tile_config.h: the lanes that read a key row, 8 elements (16 bytes) each; the loads of K and of V in flight
+  // per lane and chunk, as many as the registers allow beside q and O's part.
+  static constexpr int kLanesPerKey = decode_lanes_per_key(kHeadDim);
+  static constexpr int kKeysPerStep = 32 / kLanesPerKey;
+  static constexpr int kSteps = decode_steps(kRows);
+  static constexpr int kWarpKeys = kKeysPerStep * kSteps;
+  static constexpr int kChunk = kWarps * kWarpKeys;  // keys per chunk
+  static_assert(kChunk == decode_chunk(kHeadDim, kRows));
+  static constexpr int kRowsPerWarp = ceil_div(kRows, kWarps);  // the query rows whose statistics a warp owns
+
+  // Shared memory: the chunk's scores, then (after the walk) the warps' parts of O.
+  union SharedStorage {
+    float scores[kRows][kChunk];
+    float o_part[kWarps][kRows][kHeadDim];
+  };
+};
+
+// 8 elements (16 bytes) as floats.
+template <typename Element>
+__device__ __forceinline__ void unpack8(uint4 const& x, float (&f)[8]) {
+  auto const& a = *reinterpret_cast<cutlass::Array<Element, 8> const*>(&x);
+  CUTE_UNROLL
+  for (int e = 0; e < 8; ++e) f[e] = float(a[e]);
+}
+
+// Where key `key` of the sequence lies in k and v: the batch (or page) and row, and whether it exists (a page
+// outside the cache does not: it reads as zeros). page_shift: log2(page_size) where that is a power of two, else -1.
+struct KeyRow {
+  int batch;
+  int row;
+  bool ok;
+};
+
+__device__ __forceinline__ KeyRow key_row(FwdParams const& p, Sequence const& seq, int key, int page_shift) {
+  const int row = seq.k_row0 + key;
+  if (p.block_table == nullptr) return {seq.k_batch, row, true};
+  const int index = page_shift >= 0 ? row >> page_shift : row / p.page_size;
+  const int page = load_offset(p.block_table + seq.batch * p.block_table_stride + index);
+  return {page, page_shift >= 0 ? row & (p.page_size - 1) : row - index * p.page_size, page >= 0 && page < p.num_pages};
+}
+
+// The 16 bytes at column col of row r of head head_k of operand t (k or v).
+template <typename Element>
+__device__ __forceinline__ uint4 load_chunk(Operand const& t, KeyRow const& r, int head_k, int col) {
+  return __ldg(reinterpret_cast<uint4 const*>(t.at<Element const>(r.batch, head_k, r.row) + col));
+}
+
+// Split blockIdx.x of the keys of key-value head blockIdx.y of sequence blockIdx.z.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kRows = Traits::kRows;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kLanesPerKey = Traits::kLanesPerKey;
+  constexpr int kKeysPerStep = Traits::kKeysPerStep;
+  constexpr int kSteps = Traits::kSteps;
+  constexpr int kChunk = Traits::kChunk;
+  constexpr int kWarps = Traits::kWarps;
+  __shared__ typename Traits::SharedStorage smem;
+  __shared__ float alphas[kRows];
+  __shared__ float row_max[kRows], row_sum[kRows];
+
+  const int split = blockIdx.x, head_k = blockIdx.y;
+  const Sequence seq = sequence<Variant::kGeneral>(p, blockIdx.z);
+  const int group = p.nheads / p.nheads_k;
+  const int rows = seq.seqlen_q * group;  // row r: query r / group of head head_k * group + r % group
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slot = lane / kLanesPerKey;       // the key of a load this lane reads
+  const int col = (lane % kLanesPerKey) * 8;  // and its columns
+  const bool col_ok = col < p.head_dim;
+  auto head_of = [&](int r) { return head_k * group + r % group; };
+
+  // My columns of each query row, and each row's visible keys and ALiBi slope.
+  float q[kRows][8];
+  int key_begin[kRows], key_end[kRows];
+  float slope[kRows];
+  const auto mask = MaskPolicy<true>::make(seq.seqlen_q, seq.seqlen_k, p.causal, p.window_left, p.window_right);
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const bool live = r < rows;
+    const int i = live ? r / group : 0;
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (live && col_ok)
+      x = __ldg(reinterpret_cast<uint4 const*>(p.q.at<Element const>(seq.batch, head_of(r), seq.q_row0 + i) + col));
+    unpack8<Element>(x, q[r]);
+    key_begin[r] = live ? mask.key_begin(i) : 0;
+    key_end[r] = live ? mask.key_end(i) : 0;
+    slope[r] = live && p.alibi_slopes != nullptr
+                   ? p.alibi_slopes[seq.batch * p.alibi_batch_stride + head_of(r)] / p.softmax_scale
+                   : 0.f;
+  }
+  const int shift = seq.seqlen_k - seq.seqlen_q;
+  const int page_shift = (p.page_size & (p.page_size - 1)) == 0 ? __ffs(p.page_size) - 1 : -1;
+
+  // This split's chunks of the keys that some row sees.
+  const int key_lo = mask.key_begin(0), key_hi = mask.key_end(seq.seqlen_q - 1);
+  const int chunks = key_hi > key_lo ? ceil_div(key_hi - key_lo, kChunk) : 0;
+  const int per_split = ceil_div(chunks, p.num_splits);
+  const int chunk_begin = min(split * per_split, chunks), chunk_end = min(chunk_begin + per_split, chunks);
+
+  float acc[kRows][8];  // my part of O: my columns, summed over my keys
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
+  }
+  float m_own[Traits::kRowsPerWarp], l_own[Traits::kRowsPerWarp];  // rows warp + j kWarps, in log2 units
+  CUTE_UNROLL
+  for (int j = 0; j < Traits::kRowsPerWarp; ++j) {
+    m_own[j] = -INFINITY;
+    l_own[j] = 0.f;
+  }
+
+  for (int chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+    const int warp_key0 = warp * Traits::kWarpKeys;  // in the chunk
+    const int key0 = key_lo + chunk * kChunk + warp_key0;
+    uint4 kx[kSteps], vx[kSteps];
+    KeyRow rows_of[kSteps];
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      const int key = key0 + s * kKeysPerStep + slot;
+      rows_of[s] = key_row(p, seq, key, page_shift);
+      rows_of[s].ok = rows_of[s].ok && key < key_hi && col_ok;
+    }
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      kx[s] = rows_of[s].ok ? load_chunk<Element>(p.k, rows_of[s], head_k, col) : make_uint4(0, 0, 0, 0);
+    }
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      vx[s] = rows_of[s].ok ? load_chunk<Element>(p.v, rows_of[s], head_k, col) : make_uint4(0, 0, 0, 0);
+    }
+    __syncthreads();  // every warp has read the previous chunk's probabilities
+
+    // Scores: the dot products, reduced over a key's lanes; lane kLanesPerKey-part r writes row r's.
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      float kf[8];
+      unpack8<Element>(kx[s], kf);
+      const int key = key0 + s * kKeysPerStep + slot;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        float dot = 0.f;
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) dot = fmaf(q[r][e], kf[e], dot);
+        CUTE_UNROLL
+        for (int o = kLanesPerKey / 2; o >= 1; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
+        if (lane % kLanesPerKey == r % kLanesPerKey) {
+          if (p.softcap > 0.f) dot = tanh_fast(dot * p.softcap);
+          dot -= slope[r] * fabsf(float(r / group + shift - key));
+          const bool seen = key >= key_begin[r] && key < key_end[r];
+          smem.scores[r][warp_key0 + s * kKeysPerStep + slot] = seen ? dot * p.softmax_scale_log2 : -INFINITY;
+        }
+      }
+    }
+    __syncthreads();
+
+    // The owning warps: new row max and sum, the rescale factor of O, the probabilities.
+    CUTE_UNROLL
+    for (int j = 0; j < Traits::kRowsPerWarp; ++j) {
+      const int r = warp + j * kWarps;
+      if (r < kRows) {
+        float x[kChunk / 32];
+        float block_max = -INFINITY;
+        CUTE_UNROLL
+        for (int t = 0; t < kChunk / 32; ++t) {
+          x[t] = smem.scores[r][lane + 32 * t];
+          block_max = fmaxf(block_max, x[t]);
+        }
+        CUTE_UNROLL
+        for (int o = 16; o >= 1; o /= 2) block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, o));
+        const float m_new = fmaxf(m_own[j], block_max);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing seen yet: P = 0
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int t = 0; t < kChunk / 32; ++t) {
+          const float prob = exp2_approx(x[t] - m_use);
+          smem.scores[r][lane + 32 * t] = prob;
+          sum += prob;
+        }
+        CUTE_UNROLL
+        for (int o = 16; o >= 1; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+        const float alpha = exp2_approx(m_own[j] - m_use);  // 0 while nothing was seen
+        l_own[j] = l_own[j] * alpha + sum;
+        m_own[j] = m_new;
+        if (lane == 0) alphas[r] = alpha;
+      }
+    }
+    __syncthreads();
+
+    // O = alpha O + P V over my keys.
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float alpha = alphas[r];
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) acc[r][e] *= alpha;
+    }
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      float vf[8];
+      unpack8<Element>(vx[s], vf);
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const float prob = smem.scores[r][warp_key0 + s * kKeysPerStep + slot];
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(prob, vf[e], acc[r][e]);
+      }
+    }
+  }
+
+  // ---- Epilogue: O's parts summed over the keys of a warp, then over the warps; O / l and the log-sum-exp.
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) {
+      CUTE_UNROLL
+      for (int o = kLanesPerKey; o < 32; o *= 2) acc[r][e] += __shfl_xor_sync(0xffffffff, acc[r][e], o);
+    }
+  }
+  __syncthreads();  // the scores' memory becomes o_part
+  if (slot == 0 && col < kHeadDim) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) smem.o_part[warp][r][col + e] = acc[r][e];
+    }
+  }
+  CUTE_UNROLL
+  for (int j = 0; j < Traits::kRowsPerWarp; ++j) {
+    const int r = warp + j * kWarps;
+    if (r < kRows && lane == 0) {
+      row_max[r] = m_own[j];
+      row_sum[r] = l_own[j];
+    }
+  }
+  __syncthreads();
+  constexpr int kColChunks = kHeadDim / 8;
+  for (int idx = threadIdx.x; idx < kRows * kColChunks; idx += Traits::kThreads) {
+    const int r = idx / kColChunks, c = idx % kColChunks * 8;
+    if (r >= rows || c >= p.head_dim) continue;
+    const int i = r / group, head = head_of(r);
+    const float l = row_sum[r];
+    const float inv = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key: O = 0
+    float o[8];
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) {
+      float x = 0.f;
+      CUTE_UNROLL
+      for (int w = 0; w < kWarps; ++w) x += smem.o_part[w][r][c + e];
+      o[e] = x * inv;
+    }
+    const float lse = l > 0.f ? (row_max[r] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+    if (p.num_splits == 1) {
+      cutlass::Array<Element, 8> out;
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) out[e] = Element(o[e]);
+      *reinterpret_cast<cutlass::Array<Element, 8>*>(p.o.at<Element>(seq.batch, head, seq.q_row0 + i) + c) = out;
+      if (c == 0) p.lse[seq.stats(p, head) + i] = l > 0.f ? lse : INFINITY;
+    } else {
+      const int64_t row = ((int64_t(split) * p.batch + seq.batch) * p.nheads + head) * p.seqlen_q + i;
+      float* dst = p.o_accum + row * kHeadDim + c;
+      *reinterpret_cast<float4*>(dst) = make_float4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<float4*>(dst + 4) = make_float4(o[4], o[5], o[6], o[7]);
+      if (c == 0) p.lse_accum[row] = lse;
+    }
+  }
+}
+
+// Merges the splits of the decoding kernel: a warp per (sequence, head, query row), lane j with columns 8j..8j+7.
+// O = sum_s exp(lse_s - lse) O_s with lse = log sum_s exp(lse_s); a row no split saw gets O = 0 and lse = +inf.
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(128) combine_splits_kernel(const FwdParams p) {
+  const int64_t rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
+  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const int i = int(row % p.seqlen_q), head = int(row / p.seqlen_q % p.nheads),
+            batch = int(row / p.seqlen_q / p.nheads);
+  float max_lse = -INFINITY;
+  for (int s = lane; s < p.num_splits; s += 32) max_lse = fmaxf(max_lse, p.lse_accum[s * rows + row]);
+  CUTE_UNROLL
+  for (int o = 16; o >= 1; o /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffff, max_lse, o));
+  float sum = 0.f;
+  if (max_lse != -INFINITY) {
+    for (int s = lane; s < p.num_splits; s += 32) sum += __expf(p.lse_accum[s * rows + row] - max_lse);
+  }
+  CUTE_UNROLL
+  for (int o = 16; o >= 1; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+  const float lse = max_lse == -INFINITY ? INFINITY : max_lse + __logf(sum);
+  const int col = lane * 8;
+  if (col < p.head_dim) {
+    float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (max_lse != -INFINITY) {
+      for (int s = 0; s < p.num_splits; ++s) {
+        const float w = __expf(p.lse_accum[s * rows + row] - lse);  // 0 for a split that saw nothing
+        float const* src = p.o_accum + (s * rows + row) * kHeadDim + col;
+        const float4 a = *reinterpret_cast<float4 const*>(src), b = *reinterpret_cast<float4 const*>(src + 4);
+        o[0] += w * a.x, o[1] += w * a.y, o[2] += w * a.z, o[3] += w * a.w;
+        o[4] += w * b.x, o[5] += w * b.y, o[6] += w * b.z, o[7] += w * b.w;
+      }
+    }
+    cutlass::Array<Element, 8> out;
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) out[e] = Element(o[e]);
+    *reinterpret_cast<cutlass::Array<Element, 8>*>(p.o.at<Element>(batch, head, i) + col) = out;
+  }
+  if (lane == 0) p.lse[int64_t(batch) * p.stats_batch_stride + int64_t(head) * p.stats_head_stride + i] = lse;
+}
+
+// Host side: the decoding kernel for p (seqlen_q x group <= kDecodeMaxRows, a fixed-length batch), then the merge
+// of its splits.
+template <typename Element, int kHeadDim>
+void run_decode(FwdParams const& p, cudaStream_t stream) {
+  auto run = [&](auto traits) {
+    using Traits = decltype(traits);
+    launch(&decode_kernel<Traits>, dim3(p.num_splits, p.nheads_k, p.batch), Traits::kThreads, 0, stream, p, "decoding");
+  };
+  if (p.seqlen_q * (p.nheads / p.nheads_k) == 1) {
+    run(DecodeTraits<Element, kHeadDim, 1>{});
+  } else {
+    run(DecodeTraits<Element, kHeadDim, kDecodeMaxRows>{});
+  }
+  if (p.num_splits > 1) {
+    const int64_t rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
+    launch(&combine_splits_kernel<Element, kHeadDim>, dim3(unsigned((rows + 3) / 4)), 128, 0, stream, p, "split merge");
+  }
+}
+
+}  // namespace cuteflash

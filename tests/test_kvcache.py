@@ -1,0 +1,310 @@
+"""flash_attn_with_kvcache and paged caches against a float64 reference (2x rule): appending in place, rotary
+embeddings, cache_seqlens / cache_batch_idx / cache_leftpad, paged caches, split counts, the options, and both
+kernels behind it (the decoding kernel for a few query rows per key-value head, the tiled kernels above)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cuteflash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from cuteflash.reference import attention_ref
+from cuteflash.rotary import apply_rotary_emb
+
+pytestmark = pytest.mark.gpu
+
+
+def _paged(k_cache, v_cache, page: int, generator: torch.Generator):
+    """The caches (batch, rows, h, d) as pages of `page` rows, in a shuffled pool with spare pages of noise, and
+    their block_table (batch, pages per sequence)."""
+    batch, rows = k_cache.shape[:2]
+    per_seq = -(-rows // page)
+    order = torch.randperm(batch * per_seq + 3, generator=generator).to(k_cache.device)
+    pools = []
+    for cache in (k_cache, v_cache):
+        padded = torch.nn.functional.pad(cache, (0, 0, 0, 0, 0, per_seq * page - rows))
+        pool = torch.randn((batch * per_seq + 3, page, *cache.shape[2:]), dtype=cache.dtype, device=cache.device)
+        pool[order[: batch * per_seq]] = padded.reshape(batch * per_seq, page, *cache.shape[2:])
+        pools.append(pool)
+    return *pools, order[: batch * per_seq].view(batch, per_seq).int()
+
+
+def _unpaged(pool, table, rows):
+    return pool[table.long()].flatten(1, 2)[:, :rows]
+
+
+def _expected_caches(k_cache, v_cache, k, v, cache_seqlens, batch_idx):
+    """Each sequence's cache after the append, (batch, rows, h, d)."""
+    idx = torch.arange(cache_seqlens.numel(), device=k_cache.device) if batch_idx is None else batch_idx.long()
+    kc, vc = k_cache[idx].clone(), v_cache[idx].clone()
+    if k is not None:
+        for b, s in enumerate(cache_seqlens.tolist()):
+            n = min(k.shape[1], kc.shape[1] - s)
+            kc[b, s : s + n], vc[b, s : s + n] = k[b, :n], v[b, :n]
+    return kc, vc
+
+
+def _reference(q, kc, vc, used, leftpad, causal, window, softcap, slopes, dtype):
+    """attention_ref per sequence over keys [leftpad[b], used[b]) of its cache."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        lo = 0 if leftpad is None else int(leftpad[b])
+        hi = int(used[b])
+        s = slopes[b : b + 1] if slopes is not None and slopes.dim() == 2 else slopes
+        o, lse = attention_ref(
+            q[b : b + 1], kc[b : b + 1, lo:hi], vc[b : b + 1, lo:hi], None, causal, dtype, window, softcap, s
+        )
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+CASES = [
+    # (seqlen_q, nheads, nheads_k, new, paged page size, leftpad, batch_idx, causal)
+    (1, 4, 4, 1, None, False, False, False),
+    (1, 8, 2, 1, None, False, True, True),
+    (3, 4, 2, 3, None, True, False, True),
+    (1, 4, 4, 0, 16, False, False, False),
+    (2, 8, 2, 2, 48, True, False, True),
+    (40, 4, 2, 40, None, True, True, True),  # tiled kernels (seqlen_q x group > 8)
+    (40, 4, 4, 40, 32, False, False, True),  # tiled kernels over a paged cache
+    (7, 4, 4, 0, None, False, False, False),
+]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-h{}/{}-new{}-page{}-lp{}-bi{}-c{}".format(*c))
+def test_kvcache_matches_reference(case, dtype, head_dim, require_support, require_head_dim, assert_close_2x):
+    seqlen_q, nheads, nheads_k, new, page, leftpad, batch_idx, causal = case
+    require_support(dtype)
+    require_head_dim(head_dim)
+    batch, rows, batch_cache = 3, 300, 5
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dev = dict(device="cuda", dtype=dtype)
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, **dev)
+    k_cache = torch.randn(batch_cache if batch_idx else batch, rows, nheads_k, head_dim, **dev)
+    v_cache = torch.randn_like(k_cache)
+    k = torch.randn(batch, new, nheads_k, head_dim, **dev) if new else None
+    v = torch.randn_like(k) if new else None
+    cache_seqlens = torch.tensor([0, 131, rows - new], dtype=torch.int32, device="cuda")
+    pad = torch.tensor([0, 57, 100], dtype=torch.int32, device="cuda") if leftpad else None
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda") if batch_idx else None
+    kc, vc = _expected_caches(k_cache, v_cache, k, v, cache_seqlens, idx)
+    used = cache_seqlens + new
+    out_ref, lse_ref = _reference(q, kc, vc, used, pad, causal, (-1, -1), 0.0, None, torch.float64)
+    out_pt, _ = _reference(q, kc, vc, used, pad, causal, (-1, -1), 0.0, None, dtype)
+
+    table = None
+    if page is not None:
+        k_cache, v_cache, table = _paged(k_cache, v_cache, page, g)
+    out, lse = flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens=cache_seqlens,
+        cache_batch_idx=idx,
+        cache_leftpad=pad,
+        block_table=table,
+        causal=causal,
+        return_softmax_lse=True,
+    )
+    assert_close_2x("out", out, out_ref, out_pt)
+    assert torch.allclose(lse, lse_ref.float(), rtol=1e-3, atol=1e-3)
+    # the new keys and values are in the caches
+    if page is not None:
+        k_now, v_now = _unpaged(k_cache, table, rows), _unpaged(v_cache, table, rows)
+    else:
+        sel = slice(None) if idx is None else idx.long()
+        k_now, v_now = k_cache[sel], v_cache[sel]
+    assert torch.equal(k_now, kc) and torch.equal(v_now, vc)
+
+
+def _decode_inputs(batch=2, rows=1000, seqlen_q=1, nheads=8, nheads_k=8, head_dim=128, dtype=torch.float16):
+    dev = dict(device="cuda", dtype=dtype)
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, **dev)
+    k_cache = torch.randn(batch, rows, nheads_k, head_dim, **dev)
+    v_cache = torch.randn_like(k_cache)
+    cache_seqlens = torch.tensor([rows, rows * 2 // 3][:batch], dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, cache_seqlens
+
+
+@pytest.mark.parametrize("nheads_k", [8, 2])
+def test_every_split_count(nheads_k, require_head_dim, assert_close_2x):
+    """Each split count gives the reference within the 2x rule, and the same bits on a second run."""
+    require_head_dim(128)
+    q, k_cache, v_cache, cache_seqlens = _decode_inputs(nheads_k=nheads_k)
+    out_ref, _ = _reference(q, k_cache, v_cache, cache_seqlens, None, False, (-1, -1), 0.0, None, torch.float64)
+    out_pt, _ = _reference(q, k_cache, v_cache, cache_seqlens, None, False, (-1, -1), 0.0, None, torch.float16)
+    for splits in (0, 1, 2, 3, 7, 16, 128):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits)
+        assert_close_2x(f"num_splits={splits}", out, out_ref, out_pt)
+        again = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits)
+        assert torch.equal(out, again), f"num_splits={splits}: two runs differ"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("seqlen_q", [1, 3, 24])
+def test_rotary(seqlen_q, interleaved, causal, require_head_dim, assert_close_2x):
+    """q and the new keys rotated at positions cache_seqlens + i (q: all at cache_seqlens when not causal)."""
+    require_head_dim(64)
+    batch, rows, nheads, head_dim, rotary_dim = 2, 256, 4, 64, 32
+    dev = dict(device="cuda", dtype=torch.float16)
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, **dev)
+    k_cache, v_cache = (torch.randn(batch, rows, nheads, head_dim, **dev) for _ in range(2))
+    k, v = (torch.randn(batch, seqlen_q, nheads, head_dim, **dev) for _ in range(2))
+    angle = torch.rand(rows, rotary_dim // 2, device="cuda") * 6.28
+    cos, sin = angle.cos().half(), angle.sin().half()
+    cache_seqlens = torch.tensor([5, 200], dtype=torch.int32, device="cuda")
+    if causal:
+        q_ro = apply_rotary_emb(q, cos, sin, interleaved, seqlen_offsets=cache_seqlens)
+    else:
+        flat = q.reshape(batch, 1, -1, head_dim)
+        q_ro = apply_rotary_emb(flat, cos, sin, interleaved, seqlen_offsets=cache_seqlens).view(q.shape)
+    k_ro = apply_rotary_emb(k, cos, sin, interleaved, seqlen_offsets=cache_seqlens)
+    kc, vc = _expected_caches(k_cache, v_cache, k_ro, v, cache_seqlens, None)
+    used = cache_seqlens + seqlen_q
+    out_ref, _ = _reference(q_ro, kc, vc, used, None, causal, (-1, -1), 0.0, None, torch.float64)
+    out_pt, _ = _reference(q_ro, kc, vc, used, None, causal, (-1, -1), 0.0, None, torch.float16)
+    out = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cos, sin, cache_seqlens, causal=causal, rotary_interleaved=interleaved
+    )
+    assert_close_2x("out", out, out_ref, out_pt)
+    assert torch.equal(k_cache, kc)
+
+
+@pytest.mark.parametrize(
+    "window,softcap,alibi",
+    [((64, 0), 0.0, False), ((-1, -1), 20.0, False), ((-1, -1), 0.0, True), ((100, 3), 15.0, True)],
+)
+@pytest.mark.parametrize("seqlen_q", [1, 4, 33])
+def test_options(seqlen_q, window, softcap, alibi, require_head_dim, assert_close_2x):
+    require_head_dim(128)
+    q, k_cache, v_cache, cache_seqlens = _decode_inputs(seqlen_q=seqlen_q, nheads=4, nheads_k=2, rows=400)
+    slopes = torch.rand(2, 4, device="cuda") * 0.3 if alibi else None
+    args = (cache_seqlens, None, True, window, softcap, slopes)
+    out_ref, _ = _reference(q, k_cache, v_cache, *args[:1], None, *args[2:], torch.float64)
+    out_pt, _ = _reference(q, k_cache, v_cache, *args[:1], None, *args[2:], torch.float16)
+    out = flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens=cache_seqlens,
+        causal=True,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=slopes,
+    )
+    assert_close_2x("out", out, out_ref, out_pt)
+
+
+@pytest.mark.parametrize("page", [16, 256])
+def test_paged_equals_contiguous(page, require_head_dim):
+    """The decoding kernel reads a paged cache as it reads the same keys contiguous: the same bits."""
+    require_head_dim(128)
+    q, k_cache, v_cache, cache_seqlens = _decode_inputs(rows=1024)
+    pk, pv, table = _paged(k_cache, v_cache, page, torch.Generator().manual_seed(1))
+    for splits in (1, 0):
+        want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits)
+        got = flash_attn_with_kvcache(q, pk, pv, cache_seqlens=cache_seqlens, block_table=table, num_splits=splits)
+        assert torch.equal(got, want)
+
+
+def test_varlen_with_block_table(require_head_dim, assert_close_2x):
+    """flash_attn_varlen_func over paged caches: sequence b's keys are the first cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b] rows of its pages."""
+    require_head_dim(64)
+    lens_q, lens_k, rows = [3, 17, 1], [40, 17, 200], 208
+    dev = dict(device="cuda", dtype=torch.float16)
+    q = torch.randn(sum(lens_q), 4, 64, **dev)
+    k_cache, v_cache = (torch.randn(3, rows, 2, 64, **dev) for _ in range(2))
+    pk, pv, table = _paged(k_cache, v_cache, 16, torch.Generator().manual_seed(2))
+    cu_q = torch.tensor([0, 3, 20, 21], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 40, 57, 257], dtype=torch.int32, device="cuda")
+    out = flash_attn_varlen_func(q, pk, pv, cu_q, cu_k, 17, 200, causal=True, block_table=table)
+    for b in range(3):
+        qb = q[cu_q[b] : cu_q[b + 1]].unsqueeze(0)
+        kb, vb = (t[b : b + 1, : lens_k[b]] for t in (k_cache, v_cache))
+        ref, _ = attention_ref(qb, kb, vb, None, True, torch.float64)
+        pt, _ = attention_ref(qb, kb, vb, None, True, torch.float16)
+        assert_close_2x(f"sequence {b}", out[cu_q[b] : cu_q[b + 1]].unsqueeze(0), ref, pt)
+
+
+@pytest.mark.parametrize("nheads_k", [8, 1])
+def test_flash_attn_func_decoding_shapes_backward(nheads_k, check_grads, require_support):
+    """flash_attn_func with a few query rows per key-value head runs the decoding kernel forward; its output and
+    log-sum-exp feed the backward pass."""
+    require_support(backward=True)
+    dev = dict(device="cuda", dtype=torch.float16)
+    q = torch.randn(2, 1, 8, 64, **dev)
+    k, v = (torch.randn(2, 700, nheads_k, 64, **dev) for _ in range(2))
+    check_grads(q, k, v, causal=True)
+
+
+def test_cuda_graph_and_compile(require_head_dim):
+    """A decoding step captured in a CUDA graph replays with new cache lengths; under torch.compile the op is
+    traced without graph breaks."""
+    require_head_dim(128)
+    q, k_cache, v_cache, cache_seqlens = _decode_inputs(rows=512)
+    k_new, v_new = (torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    seqlens = torch.tensor([10, 20], dtype=torch.int32, device="cuda")
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out_ref = flash_attn_with_kvcache(q, k_ref, v_ref, k_new, v_new, cache_seqlens=seqlens + 5)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, cache_seqlens=seqlens)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens)
+    seqlens += 5
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, out_ref)
+    assert torch.equal(k_cache[:, 15:16], k_ref[:, 15:16]) and torch.equal(k_cache[1, 25:26], k_new[1])
+
+    compiled = torch.compile(flash_attn_with_kvcache, fullgraph=True)
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    out_c = compiled(q, k2, v2, k_new, v_new, cache_seqlens=seqlens + 1)
+    out_e = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens + 1)
+    assert torch.equal(out_c, out_e) and torch.equal(k2, k_cache)
+
+
+def test_bad_input():
+    q, k_cache, v_cache, cache_seqlens = _decode_inputs(rows=64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        flash_attn_with_kvcache(
+            q,
+            k_cache[:, :40].reshape(-1, 20, 8, 128).contiguous(),
+            v_cache[:, :40].reshape(-1, 20, 8, 128).contiguous(),
+            block_table=torch.zeros(2, 2, dtype=torch.int32, device="cuda"),
+        )
+    with pytest.raises(TypeError, match="cache_seqlens.*int32"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens.long())
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k_cache[:, :1], v_cache[:, :1])
+    strided = torch.randn(2, 64, 8, 256, device="cuda", dtype=torch.float16)[..., ::2]
+    with pytest.raises(ValueError, match="k_cache must have a contiguous last dimension"):
+        flash_attn_with_kvcache(q, strided, strided)
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        flash_attn_with_kvcache(q, k_cache[:1], v_cache[:1])
+    # out-of-range lengths, batches and pages are clamped or skipped on the GPU, never read or written outside
+    wild = torch.tensor([10**6, -5], dtype=torch.int32, device="cuda")
+    out = flash_attn_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k_cache[:, :2],
+        v_cache[:, :2],
+        cache_seqlens=wild,
+        cache_batch_idx=wild,
+        cache_leftpad=wild,
+    )
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert torch.equal(flash_attn_func(q, k_cache, v_cache), flash_attn_func(q, k_cache, v_cache))
