@@ -29,7 +29,8 @@ struct DecodeTraits {
   // per lane and chunk, as many as the registers allow beside q and O's part.
   static constexpr int kLanesPerKey = decode_lanes_per_key(kHeadDim);
   static constexpr int kKeysPerStep = 32 / kLanesPerKey;
-  static constexpr int kSteps = decode_steps(kRows);
+  static constexpr int kSteps = decode_steps(kHeadDim, kRows);
+  static_assert(kWarps * kKeysPerStep * kSteps >= 32, "the softmax reads a chunk 32 keys at a time");
   static constexpr int kWarpKeys = kKeysPerStep * kSteps;
   static constexpr int kChunk = kWarps * kWarpKeys;  // keys per chunk
   static_assert(kChunk == decode_chunk(kHeadDim, kRows));

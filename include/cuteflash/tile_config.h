@@ -152,9 +152,10 @@ constexpr Sm70BwdTile sm70_bwd_tile_choice(int head_dim, int i) {
 constexpr int decode_lanes_per_key(int head_dim) {
   return head_dim <= 32 ? 4 : head_dim <= 64 ? 8 : head_dim <= 128 ? 16 : 32;
 }
-constexpr int decode_steps(int rows) { return rows == 1 ? 8 : 4; }
+// (8 where a whole warp reads one key row, so that a chunk holds at least 32 keys: a lane's share of a row.)
+constexpr int decode_steps(int head_dim, int rows) { return rows == 1 || decode_lanes_per_key(head_dim) == 32 ? 8 : 4; }
 constexpr int decode_chunk(int head_dim, int rows) {
-  return 4 * (32 / decode_lanes_per_key(head_dim)) * decode_steps(rows);
+  return 4 * (32 / decode_lanes_per_key(head_dim)) * decode_steps(head_dim, rows);
 }
 // The most query rows per key-value head that the decoding kernel serves (seqlen_q x the GQA group), and the most
 // splits of the keys it makes.
