@@ -238,9 +238,8 @@ bool decode_fits(int seqlen_q, int nheads, int nheads_k, bool varlen, bool dropo
 // kDecodeMaxSplits), else enough for about four thread blocks per SM of the current device.
 int decode_split_count(int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim, int num_splits) {
   const int rows = seqlen_q * (nheads / nheads_k) == 1 ? 1 : kDecodeMaxRows;
-  const int chunks = std::max((seqlen_k + decode_chunk(round_up_head_dim(head_dim), rows) - 1) /
-                                  decode_chunk(round_up_head_dim(head_dim), rows),
-                              1);
+  const int chunk = decode_chunk(round_up_head_dim(head_dim), rows);
+  const int chunks = std::max((seqlen_k + chunk - 1) / chunk, 1);
   int splits = num_splits;
   if (splits <= 0) {
     int device = 0, sms = 0;
