@@ -235,22 +235,28 @@ bool decode_fits(int seqlen_q, int nheads, int nheads_k, bool varlen, bool dropo
 }
 
 // The decoding kernel's split count: num_splits where the caller asks for some (capped by the chunks of keys and
-// kDecodeMaxSplits), else enough for about four thread blocks per SM of the current device.
-int decode_split_count(int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim, int num_splits) {
+// kDecodeMaxSplits), else enough blocks to fill the current device once: four per SM for a single query row, two
+// beside the registers of 8 rows, fewer where its shared memory holds fewer.
+int decode_split_count(Family family, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim,
+                       int num_splits) {
   const int rows = seqlen_q * (nheads / nheads_k) == 1 ? 1 : kDecodeMaxRows;
-  const int chunk = decode_chunk(round_up_head_dim(head_dim), rows);
+  const bool async = family == Family::kSm80;
+  const int chunk = decode_chunk(round_up_head_dim(head_dim), rows, async);
   const int chunks = std::max((seqlen_k + chunk - 1) / chunk, 1);
   int splits = num_splits;
   if (splits <= 0) {
-    int device = 0, sms = 0;
+    int device = 0, sms = 0, smem = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess) {
       cudaGetLastError();
       throw std::runtime_error("cuteflash: cannot read the current CUDA device's SM count");
     }
+    const int block_smem = decode_smem_bytes(round_up_head_dim(head_dim), rows, async) + 1024;  // + the driver's
+    const int per_sm = std::max(std::min(rows == 1 ? 4 : 2, smem / block_smem), 1);
     // Rounded down: a few blocks more than fit at once would take a second wave.
     const int64_t blocks = std::max<int64_t>(int64_t(batch) * nheads_k, 1);
-    splits = int(std::min<int64_t>(4 * int64_t(sms) / blocks, kDecodeMaxSplits));
+    splits = int(std::min<int64_t>(per_sm * int64_t(sms) / blocks, kDecodeMaxSplits));
   }
   return std::clamp(splits, 1, std::min(chunks, kDecodeMaxSplits));
 }
@@ -281,13 +287,14 @@ auto require_kernel(Find find, Family family, char const* direction, DType dtype
 // How a forward pass of these sizes runs: with the decoding kernel in `splits` splits of the keys (0: the tiled
 // kernels), which need o_accum_floats and lse_accum_floats of fp32 workspace (params.h) where splits > 1.
 // seqlen_k: the keys of a sequence, or their bound (a cache's rows). num_splits: flash-attn's (0: choose).
-py::dict fwd_plan(int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim, bool varlen,
-                  bool dropout, int num_splits) {
+py::dict fwd_plan(std::string const& family_name, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
+                  int head_dim, bool varlen, bool dropout, int num_splits) {
   require(nheads_k >= 1 && nheads % nheads_k == 0, "nheads must be a multiple of nheads_k");
   require(round_up_head_dim(head_dim) > 0, "head_dim must be at most 256");
   int splits = 0;
   if (decode_fits(seqlen_q, nheads, nheads_k, varlen, dropout) && batch > 0 && seqlen_q > 0) {
-    splits = decode_split_count(batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim, num_splits);
+    splits = decode_split_count(parse_family(family_name), batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
+                                num_splits);
   }
   const int64_t rows = splits > 1 ? int64_t(splits) * batch * nheads * seqlen_q : 0;
   py::dict plan;
@@ -506,9 +513,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("softcap") = 0.f, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0,
         py::arg("dropout_p") = 0.0, py::arg("rng_state") = 0, py::arg("cache") = cuteflash::Cache{},
         py::arg("num_splits") = 0, py::arg("o_accum") = 0, py::arg("lse_accum") = 0, py::arg("accum_floats") = 0);
-  m.def("fwd_plan", &cuteflash::fwd_plan, py::kw_only(), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
-        py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("varlen"), py::arg("dropout"),
-        py::arg("num_splits"),
+  m.def("fwd_plan", &cuteflash::fwd_plan, py::kw_only(), py::arg("family"), py::arg("batch"), py::arg("nheads"),
+        py::arg("nheads_k"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("varlen"),
+        py::arg("dropout"), py::arg("num_splits"),
         "Whether the decoding kernel computes a forward pass, in how many splits, and its workspace in floats.");
   m.def("append_kv", &cuteflash::append_kv, py::kw_only(), py::arg("family"), py::arg("k"), py::arg("v"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("batch"), py::arg("seqlen_new"), py::arg("nheads_k"),

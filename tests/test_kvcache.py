@@ -72,7 +72,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-h{}/{}-new{}-page{}-lp{}-bi{}-c{}".format(*c))
 def test_kvcache_matches_reference(case, dtype, head_dim, require_support, require_head_dim, assert_close_2x):

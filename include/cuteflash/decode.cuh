@@ -4,7 +4,8 @@
 // loading 16 bytes of a key row at a time, a paged cache read row by row, and the keys split across thread blocks
 // where batch x heads alone cannot fill the GPU (flash-decoding), each split's result merged by its log-sum-exp.
 //
-// A thread block (4 warps) takes one split of one (sequence, key-value head) and walks its keys in chunks. Per
+// A thread block (4 warps) takes one split of one (sequence, key-value head) and walks its keys in chunks, fetched
+// kStages - 1 chunks ahead with cp.async in the sm80 family, at the top of each pass in the sm70 family. Per
 // chunk, each warp reads its keys (kLanesPerKey lanes per key row, kKeysPerStep rows per load), reduces each row's
 // dot products with the queries across those lanes and writes the scores to shared memory; the warp that owns a
 // query row then updates the row's running max and sum and turns the chunk's scores into probabilities; every warp
@@ -18,29 +19,40 @@
 
 namespace cuteflash {
 
-template <typename Element_, int kHeadDim_, int kRows_>
+template <typename Element_, int kHeadDim_, int kRows_, bool kAsync_>
 struct DecodeTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kRows = kRows_;  // query rows held (a block serves up to this many)
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
-  // tile_config.h: the lanes that read a key row, 8 elements (16 bytes) each; the loads of K and of V in flight
-  // per lane and chunk, as many as the registers allow beside q and O's part.
+  // tile_config.h: the lanes that read a key row, 8 elements (16 bytes) each; the loads of K and of V per lane and
+  // chunk; with kAsync (cp.async, the sm80 family), the chunks in flight in shared memory, else one in registers.
   static constexpr int kLanesPerKey = decode_lanes_per_key(kHeadDim);
   static constexpr int kKeysPerStep = 32 / kLanesPerKey;
-  static constexpr int kSteps = decode_steps(kHeadDim, kRows);
+  static constexpr int kSteps = decode_steps(kHeadDim, kRows, kAsync_);
+  static constexpr bool kAsync = kAsync_;
+  static constexpr int kStages = kAsync ? decode_stages(kHeadDim) : 1;
   static_assert(kWarps * kKeysPerStep * kSteps >= 32, "the softmax reads a chunk 32 keys at a time");
   static constexpr int kWarpKeys = kKeysPerStep * kSteps;
   static constexpr int kChunk = kWarps * kWarpKeys;  // keys per chunk
-  static_assert(kChunk == decode_chunk(kHeadDim, kRows));
+  static_assert(kChunk == decode_chunk(kHeadDim, kRows, kAsync_));
   static constexpr int kRowsPerWarp = ceil_div(kRows, kWarps);  // the query rows whose statistics a warp owns
-
-  // Shared memory: the chunk's scores, then (after the walk) the warps' parts of O.
-  union SharedStorage {
+  // Shared memory (dynamic, all of it): the async stages, [stage][K, V][step][thread] 16 bytes, each lane's own,
+  // which after the walk hold the warps' parts of O; the chunk's scores; the rows' statistics.
+  static constexpr int kRingBytes = kStages > 1 ? kStages * 2 * kSteps * kThreads * 16 : 0;
+  struct SharedStorage {
+    union {
+      uint4 ring[kRingBytes > 0 ? kRingBytes / 16 : 1];
+      float o_part[kWarps][kRows][kHeadDim];
+    };
     float scores[kRows][kChunk];
-    float o_part[kWarps][kRows][kHeadDim];
+    float alphas[kRows];
+    float row_max[kRows];
+    float row_sum[kRows];
   };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes == decode_smem_bytes(kHeadDim, kRows, kAsync));
 };
 
 // 8 elements (16 bytes) as floats.
@@ -51,16 +63,19 @@ __device__ __forceinline__ void unpack8(uint4 const& x, float (&f)[8]) {
   for (int e = 0; e < 8; ++e) f[e] = float(a[e]);
 }
 
-// Where key `key` of the sequence lies in k and v: the batch (or page) and row, and whether it exists (a page
-// outside the cache does not: it reads as zeros). page_shift: log2(page_size) where that is a power of two, else -1.
+// Where key `key` of the sequence lies in k and v: the batch (or page) and row, and whether it is read (a key at or
+// past key_hi is not, nor is a page outside the cache: they read as zeros). page_shift: log2(page_size) where that
+// is a power of two, else -1. The block table is read only for keys below key_hi, within the table's row.
 struct KeyRow {
   int batch;
   int row;
   bool ok;
 };
 
-__device__ __forceinline__ KeyRow key_row(FwdParams const& p, Sequence const& seq, int key, int page_shift) {
+__device__ __forceinline__ KeyRow key_row(FwdParams const& p, Sequence const& seq, int key, int key_hi,
+                                          int page_shift) {
   const int row = seq.k_row0 + key;
+  if (key >= key_hi) return {seq.k_batch, 0, false};
   if (p.block_table == nullptr) return {seq.k_batch, row, true};
   const int index = page_shift >= 0 ? row >> page_shift : row / p.page_size;
   const int page = load_offset(p.block_table + seq.batch * p.block_table_stride + index);
@@ -69,8 +84,21 @@ __device__ __forceinline__ KeyRow key_row(FwdParams const& p, Sequence const& se
 
 // The 16 bytes at column col of row r of head head_k of operand t (k or v).
 template <typename Element>
-__device__ __forceinline__ uint4 load_chunk(Operand const& t, KeyRow const& r, int head_k, int col) {
-  return __ldg(reinterpret_cast<uint4 const*>(t.at<Element const>(r.batch, head_k, r.row) + col));
+__device__ __forceinline__ Element const* chunk_ptr(Operand const& t, KeyRow const& r, int head_k, int col) {
+  return t.at<Element const>(r.batch, head_k, r.row) + col;
+}
+
+// dst = those 16 bytes where ok, else zeros: asynchronously (cp.async, waited for by the thread itself) with kAsync,
+// else a register load.
+template <bool kAsync, typename Element>
+__device__ __forceinline__ void fetch_chunk(uint4& dst, Operand const& t, KeyRow const& r, int head_k, int col) {
+  if constexpr (kAsync) {
+    Element const* src = r.ok ? chunk_ptr<Element>(t, r, head_k, col) : static_cast<Element const*>(t.ptr);
+    cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(*reinterpret_cast<cute::uint128_t const*>(src),
+                                                                 *reinterpret_cast<cute::uint128_t*>(&dst), r.ok);
+  } else {
+    dst = r.ok ? __ldg(reinterpret_cast<uint4 const*>(chunk_ptr<Element>(t, r, head_k, col))) : make_uint4(0, 0, 0, 0);
+  }
 }
 
 // Split blockIdx.x of the keys of key-value head blockIdx.y of sequence blockIdx.z.
@@ -84,9 +112,10 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   constexpr int kSteps = Traits::kSteps;
   constexpr int kChunk = Traits::kChunk;
   constexpr int kWarps = Traits::kWarps;
-  __shared__ typename Traits::SharedStorage smem;
-  __shared__ float alphas[kRows];
-  __shared__ float row_max[kRows], row_sum[kRows];
+  constexpr bool kAsync = Traits::kAsync;
+  constexpr int kStages = Traits::kStages;
+  extern __shared__ uint4 smem_raw[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
   const int split = blockIdx.x, head_k = blockIdx.y;
   const Sequence seq = sequence<Variant::kGeneral>(p, blockIdx.z);
@@ -139,32 +168,59 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     l_own[j] = 0.f;
   }
 
+  // The chunks' K and V on their way: with kStages > 1, a ring of stages in shared memory that cp.async fills
+  // kStages - 1 chunks ahead, each lane reading back only the bytes it fetched (so its own wait is enough), and
+  // the rows of a chunk looked up one fetch ahead (a paged cache's table read does not hold up the fetch); with one
+  // stage, registers loaded at the top of the chunk's pass.
+  uint4 regs[2][kStages == 1 ? kSteps : 1];
+  auto stage_at = [&](int stage, int kv, int s) -> uint4& {
+    if constexpr (kStages == 1) {
+      return regs[kv][s];
+    } else {
+      return smem.ring[((stage * 2 + kv) * kSteps + s) * Traits::kThreads + threadIdx.x];
+    }
+  };
+  const int warp_key0 = warp * Traits::kWarpKeys;  // in the chunk
+  KeyRow next[kSteps];
+  auto locate = [&](int chunk) {
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      next[s] = key_row(p, seq, key_lo + chunk * kChunk + warp_key0 + s * kKeysPerStep + slot, key_hi, page_shift);
+      next[s].ok = next[s].ok && col_ok;
+    }
+  };
+  int fetched = chunk_begin;
+  auto fetch = [&]() {  // chunk `fetched` into its stage (nothing past the split's end)
+    if (fetched < chunk_end) {
+      if constexpr (!kAsync) locate(fetched);
+      const int stage = (fetched - chunk_begin) % kStages;
+      CUTE_UNROLL
+      for (int s = 0; s < kSteps; ++s) fetch_chunk<kAsync, Element>(stage_at(stage, 0, s), p.k, next[s], head_k, col);
+      CUTE_UNROLL
+      for (int s = 0; s < kSteps; ++s) fetch_chunk<kAsync, Element>(stage_at(stage, 1, s), p.v, next[s], head_k, col);
+    }
+    ++fetched;
+    if constexpr (kAsync) {
+      cp_async_commit();
+      if (fetched < chunk_end) locate(fetched);
+    }
+  };
+  if (kAsync && chunk_begin < chunk_end) locate(chunk_begin);
+  CUTE_UNROLL
+  for (int i = 0; i + 1 < kStages; ++i) fetch();
+
   for (int chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-    const int warp_key0 = warp * Traits::kWarpKeys;  // in the chunk
     const int key0 = key_lo + chunk * kChunk + warp_key0;
-    uint4 kx[kSteps], vx[kSteps];
-    KeyRow rows_of[kSteps];
-    CUTE_UNROLL
-    for (int s = 0; s < kSteps; ++s) {
-      const int key = key0 + s * kKeysPerStep + slot;
-      rows_of[s] = key_row(p, seq, key, page_shift);
-      rows_of[s].ok = rows_of[s].ok && key < key_hi && col_ok;
-    }
-    CUTE_UNROLL
-    for (int s = 0; s < kSteps; ++s) {
-      kx[s] = rows_of[s].ok ? load_chunk<Element>(p.k, rows_of[s], head_k, col) : make_uint4(0, 0, 0, 0);
-    }
-    CUTE_UNROLL
-    for (int s = 0; s < kSteps; ++s) {
-      vx[s] = rows_of[s].ok ? load_chunk<Element>(p.v, rows_of[s], head_k, col) : make_uint4(0, 0, 0, 0);
-    }
+    const int stage = (chunk - chunk_begin) % kStages;
+    fetch();  // chunk + kStages - 1, into the stage whose K and V the previous pass used up
+    if constexpr (kAsync) cp_async_wait<kStages - 1>();
     __syncthreads();  // every warp has read the previous chunk's probabilities
 
     // Scores: the dot products, reduced over a key's lanes; lane kLanesPerKey-part r writes row r's.
     CUTE_UNROLL
     for (int s = 0; s < kSteps; ++s) {
       float kf[8];
-      unpack8<Element>(kx[s], kf);
+      unpack8<Element>(stage_at(stage, 0, s), kf);
       const int key = key0 + s * kKeysPerStep + slot;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
@@ -211,7 +267,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
         const float alpha = exp2_approx(m_own[j] - m_use);  // 0 while nothing was seen
         l_own[j] = l_own[j] * alpha + sum;
         m_own[j] = m_new;
-        if (lane == 0) alphas[r] = alpha;
+        if (lane == 0) smem.alphas[r] = alpha;
       }
     }
     __syncthreads();
@@ -219,14 +275,14 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     // O = alpha O + P V over my keys.
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      const float alpha = alphas[r];
+      const float alpha = smem.alphas[r];
       CUTE_UNROLL
       for (int e = 0; e < 8; ++e) acc[r][e] *= alpha;
     }
     CUTE_UNROLL
     for (int s = 0; s < kSteps; ++s) {
       float vf[8];
-      unpack8<Element>(vx[s], vf);
+      unpack8<Element>(stage_at(stage, 1, s), vf);
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         const float prob = smem.scores[r][warp_key0 + s * kKeysPerStep + slot];
@@ -235,6 +291,8 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
       }
     }
   }
+
+  if constexpr (kAsync) cp_async_wait<0>();  // (the fetches past the split's end were empty)
 
   // ---- Epilogue: O's parts summed over the keys of a warp, then over the warps; O / l and the log-sum-exp.
   CUTE_UNROLL
@@ -245,7 +303,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
       for (int o = kLanesPerKey; o < 32; o *= 2) acc[r][e] += __shfl_xor_sync(0xffffffff, acc[r][e], o);
     }
   }
-  __syncthreads();  // the scores' memory becomes o_part
+  __syncthreads();  // the stages' memory becomes o_part
   if (slot == 0 && col < kHeadDim) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -257,8 +315,8 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   for (int j = 0; j < Traits::kRowsPerWarp; ++j) {
     const int r = warp + j * kWarps;
     if (r < kRows && lane == 0) {
-      row_max[r] = m_own[j];
-      row_sum[r] = l_own[j];
+      smem.row_max[r] = m_own[j];
+      smem.row_sum[r] = l_own[j];
     }
   }
   __syncthreads();
@@ -267,7 +325,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     const int r = idx / kColChunks, c = idx % kColChunks * 8;
     if (r >= rows || c >= p.head_dim) continue;
     const int i = r / group, head = head_of(r);
-    const float l = row_sum[r];
+    const float l = smem.row_sum[r];
     const float inv = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key: O = 0
     float o[8];
     CUTE_UNROLL
@@ -277,7 +335,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
       for (int w = 0; w < kWarps; ++w) x += smem.o_part[w][r][c + e];
       o[e] = x * inv;
     }
-    const float lse = l > 0.f ? (row_max[r] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+    const float lse = l > 0.f ? (smem.row_max[r] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
     if (p.num_splits == 1) {
       cutlass::Array<Element, 8> out;
       CUTE_UNROLL
@@ -319,6 +377,7 @@ __global__ void __launch_bounds__(128) combine_splits_kernel(const FwdParams p) 
   if (col < p.head_dim) {
     float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (max_lse != -INFINITY) {
+#pragma unroll 8  // the splits' loads in flight together
       for (int s = 0; s < p.num_splits; ++s) {
         const float w = __expf(p.lse_accum[s * rows + row] - lse);  // 0 for a split that saw nothing
         float const* src = p.o_accum + (s * rows + row) * kHeadDim + col;
@@ -336,17 +395,18 @@ __global__ void __launch_bounds__(128) combine_splits_kernel(const FwdParams p) 
 }
 
 // Host side: the decoding kernel for p (seqlen_q x group <= kDecodeMaxRows, a fixed-length batch), then the merge
-// of its splits.
-template <typename Element, int kHeadDim>
+// of its splits. kAsync: the sm80 family's cp.async stages.
+template <typename Element, int kHeadDim, bool kAsync>
 void run_decode(FwdParams const& p, cudaStream_t stream) {
   auto run = [&](auto traits) {
     using Traits = decltype(traits);
-    launch(&decode_kernel<Traits>, dim3(p.num_splits, p.nheads_k, p.batch), Traits::kThreads, 0, stream, p, "decoding");
+    launch(&decode_kernel<Traits>, dim3(p.num_splits, p.nheads_k, p.batch), Traits::kThreads, Traits::kSmemBytes,
+           stream, p, "decoding");
   };
   if (p.seqlen_q * (p.nheads / p.nheads_k) == 1) {
-    run(DecodeTraits<Element, kHeadDim, 1>{});
+    run(DecodeTraits<Element, kHeadDim, 1, kAsync>{});
   } else {
-    run(DecodeTraits<Element, kHeadDim, kDecodeMaxRows>{});
+    run(DecodeTraits<Element, kHeadDim, kDecodeMaxRows, kAsync>{});
   }
   if (p.num_splits > 1) {
     const int64_t rows = int64_t(p.batch) * p.nheads * p.seqlen_q;

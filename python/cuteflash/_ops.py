@@ -238,6 +238,7 @@ def fwd_impl(
     plan = _launch(
         q.device,
         compiled_module().fwd_plan,
+        family=family,
         batch=problem["batch"],
         nheads=problem["nheads"],
         nheads_k=problem["nheads_k"],

@@ -39,19 +39,21 @@ def kernel_name(direction: str, family: str, dtype: str, head_dim: int) -> str:
 
 def kernel_source(direction: str, family: str, dtype: str, head_dim: int) -> str:
     cpp_type = DTYPES[dtype][1]
-    # The decoding kernel is the same source for both families, compiled for each family's targets.
-    header, launcher = (
-        ("cuteflash/decode.cuh", "run_decode")
-        if direction == "decode"
-        else (f"cuteflash/{family}/{direction}_launch.cuh", f"{family}::run_{direction}")
-    )
+    # The decoding kernel is the same source for both families, compiled for each family's targets; the sm80
+    # family's reads the keys with cp.async.
+    template_args = f"{cpp_type}, {head_dim}"
+    if direction == "decode":
+        header, launcher = "cuteflash/decode.cuh", "run_decode"
+        template_args += ", true" if family == "sm80" else ", false"
+    else:
+        header, launcher = f"cuteflash/{family}/{direction}_launch.cuh", f"{family}::run_{direction}"
     return (
         HEADER
         + f'#include "{header}"\n\n'
         + "namespace cuteflash {\n\n"
         + f"void {kernel_name(direction, family, dtype, head_dim)}({LAUNCHERS[direction][0]} const& p, "
         + "cudaStream_t stream) {\n"
-        + f"  {launcher}<{cpp_type}, {head_dim}>(p, stream);\n"
+        + f"  {launcher}<{template_args}>(p, stream);\n"
         + "}\n\n}  // namespace cuteflash\n"
     )
 
