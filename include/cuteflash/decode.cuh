@@ -126,6 +126,8 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   const int col = (lane % kLanesPerKey) * 8;  // and its columns
   const bool col_ok = col < p.head_dim;
   auto head_of = [&](int r) { return head_k * group + r % group; };
+  // Whether query row r exists: the rows past `rows` (a group of 4 in a kernel for 8) are skipped at run time.
+  auto live = [&](int r) { return kRows == 1 || r < rows; };
 
   // My columns of each query row, and each row's visible keys and ALiBi slope.
   float q[kRows][8];
@@ -224,6 +226,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
       const int key = key0 + s * kKeysPerStep + slot;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
+        if (!live(r)) continue;
         float dot = 0.f;
         CUTE_UNROLL
         for (int e = 0; e < 8; ++e) dot = fmaf(q[r][e], kf[e], dot);
@@ -243,7 +246,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     CUTE_UNROLL
     for (int j = 0; j < Traits::kRowsPerWarp; ++j) {
       const int r = warp + j * kWarps;
-      if (r < kRows) {
+      if (r < kRows && live(r)) {
         float x[kChunk / 32];
         float block_max = -INFINITY;
         CUTE_UNROLL
@@ -275,6 +278,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     // O = alpha O + P V over my keys.
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
+      if (!live(r)) continue;
       const float alpha = smem.alphas[r];
       CUTE_UNROLL
       for (int e = 0; e < 8; ++e) acc[r][e] *= alpha;
@@ -285,6 +289,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
       unpack8<Element>(stage_at(stage, 1, s), vf);
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
+        if (!live(r)) continue;
         const float prob = smem.scores[r][warp_key0 + s * kKeysPerStep + slot];
         CUTE_UNROLL
         for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(prob, vf[e], acc[r][e]);
