@@ -8,9 +8,12 @@ PyTorch's attention in the input dtype, plus 1e-5.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,3 +246,24 @@ def reference_grads():
 @pytest.fixture
 def check_grads():
     return _check_grads
+
+
+# ---- The flash-attn compatibility package (compat/).
+
+COMPAT_SRC = Path(__file__).resolve().parents[1] / "compat" / "src"
+
+
+@pytest.fixture
+def flash_attn_compat():
+    """cuteflash's flash_attn package: the installed one, else the source tree's (compat/src, then put on sys.path).
+    Skips the tests where the flash_attn that imports is not it (the official flash-attn)."""
+    if importlib.util.find_spec("flash_attn") is None and COMPAT_SRC.is_dir():
+        sys.path.append(str(COMPAT_SRC))
+    try:
+        import flash_attn
+    except ImportError as e:
+        pytest.skip(f"the flash-attn compatibility package cannot be imported: {e}")
+    version = getattr(flash_attn, "__version__", "")
+    if "+cuteflash" not in version:
+        pytest.skip(f"flash_attn {version or '(no version)'} at {flash_attn.__file__} is not cuteflash's package")
+    return flash_attn
