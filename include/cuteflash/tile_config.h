@@ -157,17 +157,9 @@ constexpr int decode_lanes_per_key(int head_dim) {
 // (8 where a whole warp reads one key row, so that a chunk holds at least 32 keys: a lane's share of a row.)
 constexpr int decode_steps(int head_dim, int rows, bool async) {
   if (decode_lanes_per_key(head_dim) == 32) return 8;
-#ifdef CUTEFLASH_DECODE_STEPS
-  if (async) return CUTEFLASH_DECODE_STEPS;
-#endif
   return rows == 1 && !async ? 8 : 4;
 }
-constexpr int decode_stages(int head_dim) {
-#ifdef CUTEFLASH_DECODE_STAGES
-  return CUTEFLASH_DECODE_STAGES;
-#endif
-  return decode_lanes_per_key(head_dim) == 32 ? 2 : 3;
-}
+constexpr int decode_stages(int head_dim) { return decode_lanes_per_key(head_dim) == 32 ? 2 : 3; }
 constexpr int decode_chunk(int head_dim, int rows, bool async) {
   return 4 * (32 / decode_lanes_per_key(head_dim)) * decode_steps(head_dim, rows, async);
 }
