@@ -235,8 +235,9 @@ bool decode_fits(int seqlen_q, int nheads, int nheads_k, bool varlen, bool dropo
 }
 
 // The decoding kernel's split count: num_splits where the caller asks for some (capped by the chunks of keys and
-// kDecodeMaxSplits), else enough blocks to fill the current device once: four per SM for a single query row, two
-// beside the registers of 8 rows, fewer where its shared memory holds fewer.
+// kDecodeMaxSplits), else enough blocks to fill the current device once: four per SM for a single query row, three
+// for 8 rows on tensor cores, two beside the registers of 8 rows on CUDA cores, fewer where the shared memory holds
+// fewer.
 int decode_split_count(Family family, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim,
                        int num_splits) {
   const int rows = seqlen_q * (nheads / nheads_k) == 1 ? 1 : kDecodeMaxRows;
@@ -253,7 +254,11 @@ int decode_split_count(Family family, int batch, int nheads, int nheads_k, int s
       throw std::runtime_error("cuteflash: cannot read the current CUDA device's SM count");
     }
     const int block_smem = decode_smem_bytes(round_up_head_dim(head_dim), rows, async) + 1024;  // + the driver's
-    const int per_sm = std::max(std::min(rows == 1 ? 4 : 2, smem / block_smem), 1);
+    const int per_sm = std::max(std::min(rows == 1                           ? 4
+                                         : decode_mma(head_dim, rows, async) ? 3
+                                                                             : 2,
+                                         smem / block_smem),
+                                1);
     // Rounded down: a few blocks more than fit at once would take a second wave.
     const int64_t blocks = std::max<int64_t>(int64_t(batch) * nheads_k, 1);
     splits = int(std::min<int64_t>(per_sm * int64_t(sms) / blocks, kDecodeMaxSplits));

@@ -253,7 +253,7 @@ def check_grads():
 COMPAT_SRC = Path(__file__).resolve().parents[1] / "compat" / "src"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # (the model and process-group fixtures that use it are per module)
 def flash_attn_compat():
     """cuteflash's flash_attn package: the installed one, else the source tree's (compat/src, then put on sys.path).
     Skips the tests where the flash_attn that imports is not it (the official flash-attn)."""

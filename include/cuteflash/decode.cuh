@@ -9,8 +9,15 @@
 // chunk, each warp reads its keys (kLanesPerKey lanes per key row, kKeysPerStep rows per load), reduces each row's
 // dot products with the queries across those lanes and writes the scores to shared memory; the warp that owns a
 // query row then updates the row's running max and sum and turns the chunk's scores into probabilities; every warp
-// finally rescales its part of O and adds its keys' P V. At the end the warps' parts of O are summed.
+// finally rescales its part of O and adds its keys' P V. At the end the warps' parts of O are summed. For several
+// query rows in the sm80 family (kMma), the two products run on tensor cores instead, from the shared-memory
+// stages: with only 8 rows, the rows are mma's n = 8 and the keys its m = 16 (S^T = K Q^T, O^T = V^T P^T), so no
+// product is padded; on CUDA cores the lanes' reductions cost more than the cache read.
 #pragma once
+
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/mma_sm80.hpp>
+#include <type_traits>
 
 #include "cuteflash/launch.h"
 #include "cuteflash/mask.cuh"
@@ -32,7 +39,13 @@ struct DecodeTraits {
   static constexpr int kKeysPerStep = 32 / kLanesPerKey;
   static constexpr int kSteps = decode_steps(kHeadDim, kRows, kAsync_);
   static constexpr bool kAsync = kAsync_;
-  static constexpr int kStages = kAsync ? decode_stages(kHeadDim) : 1;
+  static constexpr int kStages = kAsync ? decode_stages(kHeadDim, kRows) : 1;
+  // Tensor cores for several rows (sm80 family): S^T = K Q^T and O^T = V^T P^T with mma.m16n8k16, the 8 query
+  // rows as the 8 columns, 16 keys of a warp as the rows of S^T (the k of P^T V), the head dim in steps of 16.
+  static constexpr bool kMma = decode_mma(kHeadDim, kRows, kAsync_);
+  static_assert(!kMma || (kRows == 8 && kKeysPerStep * kSteps % 16 == 0 && kHeadDim % 16 == 0));
+  using Mma = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
+                                 cute::SM80_16x8x16_F32BF16BF16F32_TN>;
   static_assert(kWarps * kKeysPerStep * kSteps >= 32, "the softmax reads a chunk 32 keys at a time");
   static constexpr int kWarpKeys = kKeysPerStep * kSteps;
   static constexpr int kChunk = kWarps * kWarpKeys;  // keys per chunk
@@ -114,6 +127,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   constexpr int kWarps = Traits::kWarps;
   constexpr bool kAsync = Traits::kAsync;
   constexpr int kStages = Traits::kStages;
+  constexpr bool kMma = Traits::kMma;
   extern __shared__ uint4 smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
@@ -128,27 +142,46 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   auto head_of = [&](int r) { return head_k * group + r % group; };
   // Whether query row r exists: the rows past `rows` (a group of 4 in a kernel for 8) are skipped at run time.
   auto live = [&](int r) { return kRows == 1 || r < rows; };
+  // With kMma, a lane's place in the mma fragments: row `quad_row` of A and C, columns 2 quad_col, 2 quad_col + 1.
+  const int quad_row = lane / 4, quad_col = lane % 4;
 
-  // My columns of each query row, and each row's visible keys and ALiBi slope.
-  float q[kRows][8];
-  int key_begin[kRows], key_end[kRows];
-  float slope[kRows];
+  // My columns of each query row (CUDA cores), and each row's visible keys and ALiBi slope.
+  float q[kMma ? 1 : kRows][8];
+  constexpr int kRowsHeld = kMma ? 2 : kRows;  // kMma: the two rows 2 quad_col + e whose scores a lane holds
+  int key_begin[kRowsHeld], key_end[kRowsHeld];
+  float slope[kRowsHeld];
   const auto mask = MaskPolicy<true>::make(seq.seqlen_q, seq.seqlen_k, p.causal, p.window_left, p.window_right);
   CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
+  for (int held = 0; held < kRowsHeld; ++held) {
+    const int r = kMma ? 2 * quad_col + held : held;
     const bool live = r < rows;
     const int i = live ? r / group : 0;
-    uint4 x = make_uint4(0, 0, 0, 0);
-    if (live && col_ok)
-      x = __ldg(reinterpret_cast<uint4 const*>(p.q.at<Element const>(seq.batch, head_of(r), seq.q_row0 + i) + col));
-    unpack8<Element>(x, q[r]);
-    key_begin[r] = live ? mask.key_begin(i) : 0;
-    key_end[r] = live ? mask.key_end(i) : 0;
-    slope[r] = live && p.alibi_slopes != nullptr
-                   ? p.alibi_slopes[seq.batch * p.alibi_batch_stride + head_of(r)] / p.softmax_scale
-                   : 0.f;
+    if constexpr (!kMma) {
+      uint4 x = make_uint4(0, 0, 0, 0);
+      if (live && col_ok)
+        x = __ldg(reinterpret_cast<uint4 const*>(p.q.at<Element const>(seq.batch, head_of(r), seq.q_row0 + i) + col));
+      unpack8<Element>(x, q[r]);
+    }
+    key_begin[held] = live ? mask.key_begin(i) : 0;
+    key_end[held] = live ? mask.key_end(i) : 0;
+    slope[held] = live && p.alibi_slopes != nullptr
+                      ? p.alibi_slopes[seq.batch * p.alibi_batch_stride + head_of(r)] / p.softmax_scale
+                      : 0.f;
   }
   const int shift = seq.seqlen_k - seq.seqlen_q;
+  // With kMma: Q^T's B fragments (query row quad_row, head dims 16 kb + 2 quad_col + {0, 1, 8, 9}).
+  uint32_t q_frag[kMma ? kHeadDim / 16 : 1][2];
+  if constexpr (kMma) {
+    Element const* q_row = p.q.at<Element const>(seq.batch, head_of(quad_row), seq.q_row0 + quad_row / group);
+    CUTE_UNROLL
+    for (int kb = 0; kb < kHeadDim / 16; ++kb) {
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int dim = kb * 16 + h * 8 + 2 * quad_col;
+        q_frag[kb][h] = live(quad_row) && dim < p.head_dim ? *reinterpret_cast<uint32_t const*>(q_row + dim) : 0u;
+      }
+    }
+  }
   const int page_shift = (p.page_size & (p.page_size - 1)) == 0 ? __ffs(p.page_size) - 1 : -1;
 
   // This split's chunks of the keys that some row sees.
@@ -157,11 +190,17 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   const int per_split = ceil_div(chunks, p.num_splits);
   const int chunk_begin = min(split * per_split, chunks), chunk_end = min(chunk_begin + per_split, chunks);
 
-  float acc[kRows][8];  // my part of O: my columns, summed over my keys
+  float acc[kMma ? 1 : kRows][8];  // my part of O: my columns, summed over my keys
   CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
+  for (int r = 0; r < (kMma ? 1 : kRows); ++r) {
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
+  }
+  float o_frag[kMma ? kHeadDim / 16 : 1][4];  // kMma: O^T's C fragments over my keys
+  CUTE_UNROLL
+  for (int db = 0; db < (kMma ? kHeadDim / 16 : 1); ++db) {
+    CUTE_UNROLL
+    for (int e = 0; e < 4; ++e) o_frag[db][e] = 0.f;
   }
   float m_own[Traits::kRowsPerWarp], l_own[Traits::kRowsPerWarp];  // rows warp + j kWarps, in log2 units
   CUTE_UNROLL
@@ -174,13 +213,25 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   // kStages - 1 chunks ahead, each lane reading back only the bytes it fetched (so its own wait is enough), and
   // the rows of a chunk looked up one fetch ahead (a paged cache's table read does not hold up the fetch); with one
   // stage, registers loaded at the top of the chunk's pass.
+  // With kMma, the 16-byte pieces of a key row are permuted by the key (the XOR below), so that ldmatrix's reads of
+  // one piece of 8 keys fall in distinct banks.
   uint4 regs[2][kStages == 1 ? kSteps : 1];
+  auto ring_at = [&](int stage, int kv, int s, int key_slot, int piece) -> uint4& {
+    if constexpr (kMma) {
+      piece ^= kLanesPerKey >= 8 ? (s * kKeysPerStep + key_slot) & 7 : (key_slot >> 1) & 3;
+    }
+    return smem.ring[((stage * 2 + kv) * kSteps + s) * Traits::kThreads + warp * 32 + key_slot * kLanesPerKey + piece];
+  };
   auto stage_at = [&](int stage, int kv, int s) -> uint4& {
     if constexpr (kStages == 1) {
       return regs[kv][s];
     } else {
-      return smem.ring[((stage * 2 + kv) * kSteps + s) * Traits::kThreads + threadIdx.x];
+      return ring_at(stage, kv, s, slot, lane % kLanesPerKey);
     }
+  };
+  // With kMma, piece `piece` of the warp's key `key` (of its kWarpKeys in the chunk).
+  auto key_piece = [&](int stage, int kv, int key, int piece) -> uint4 const& {
+    return ring_at(stage, kv, key / kKeysPerStep, key % kKeysPerStep, piece);
   };
   const int warp_key0 = warp * Traits::kWarpKeys;  // in the chunk
   KeyRow next[kSteps];
@@ -218,25 +269,51 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     if constexpr (kAsync) cp_async_wait<kStages - 1>();
     __syncthreads();  // every warp has read the previous chunk's probabilities
 
-    // Scores: the dot products, reduced over a key's lanes; lane kLanesPerKey-part r writes row r's.
-    CUTE_UNROLL
-    for (int s = 0; s < kSteps; ++s) {
-      float kf[8];
-      unpack8<Element>(stage_at(stage, 0, s), kf);
-      const int key = key0 + s * kKeysPerStep + slot;
+    // Scores: the dot products, reduced over a key's lanes; lane kLanesPerKey-part r writes row r's. With kMma,
+    // S^T for 16 keys at a time; a lane holds keys quad_row and quad_row + 8, rows 2 quad_col and 2 quad_col + 1.
+    auto write_score = [&](float dot, int key_in_warp, int r, int begin, int end, float slope_r) {
+      const int key = key0 + key_in_warp;
+      if (p.softcap > 0.f) dot = tanh_fast(dot * p.softcap);
+      dot -= slope_r * fabsf(float(r / group + shift - key));
+      const bool seen = key >= begin && key < end;
+      smem.scores[r][warp_key0 + key_in_warp] = seen ? dot * p.softmax_scale_log2 : -INFINITY;
+    };
+    if constexpr (kMma) {
       CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        if (!live(r)) continue;
-        float dot = 0.f;
+      for (int mb = 0; mb < Traits::kWarpKeys / 16; ++mb) {
+        float st[4] = {0.f, 0.f, 0.f, 0.f};
         CUTE_UNROLL
-        for (int e = 0; e < 8; ++e) dot = fmaf(q[r][e], kf[e], dot);
+        for (int kb = 0; kb < kHeadDim / 16; ++kb) {
+          uint32_t a[4];
+          const int key = mb * 16 + (lane >> 3 & 1) * 8 + (lane & 7), piece = 2 * kb + (lane >> 4);
+          cute::SM75_U32x4_LDSM_N::copy(reinterpret_cast<cute::uint128_t const&>(key_piece(stage, 0, key, piece)), a[0],
+                                        a[1], a[2], a[3]);
+          Traits::Mma::fma(st[0], st[1], st[2], st[3], a[0], a[1], a[2], a[3], q_frag[kb][0], q_frag[kb][1], st[0],
+                           st[1], st[2], st[3]);
+        }
         CUTE_UNROLL
-        for (int o = kLanesPerKey / 2; o >= 1; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
-        if (lane % kLanesPerKey == r % kLanesPerKey) {
-          if (p.softcap > 0.f) dot = tanh_fast(dot * p.softcap);
-          dot -= slope[r] * fabsf(float(r / group + shift - key));
-          const bool seen = key >= key_begin[r] && key < key_end[r];
-          smem.scores[r][warp_key0 + s * kKeysPerStep + slot] = seen ? dot * p.softmax_scale_log2 : -INFINITY;
+        for (int e = 0; e < 4; ++e) {
+          const int r = 2 * quad_col + (e & 1);
+          if (live(r))
+            write_score(st[e], mb * 16 + quad_row + (e >> 1) * 8, r, key_begin[e & 1], key_end[e & 1], slope[e & 1]);
+        }
+      }
+    } else {
+      CUTE_UNROLL
+      for (int s = 0; s < kSteps; ++s) {
+        float kf[8];
+        unpack8<Element>(stage_at(stage, 0, s), kf);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          if (!live(r)) continue;
+          float dot = 0.f;
+          CUTE_UNROLL
+          for (int e = 0; e < 8; ++e) dot = fmaf(q[r][e], kf[e], dot);
+          CUTE_UNROLL
+          for (int o = kLanesPerKey / 2; o >= 1; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
+          if (lane % kLanesPerKey == r % kLanesPerKey) {
+            write_score(dot, s * kKeysPerStep + slot, r, key_begin[r], key_end[r], slope[r]);
+          }
         }
       }
     }
@@ -275,24 +352,57 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     }
     __syncthreads();
 
-    // O = alpha O + P V over my keys.
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      if (!live(r)) continue;
-      const float alpha = smem.alphas[r];
+    // O = alpha O + P V over my keys. With kMma, O^T += V^T P^T, 16 keys at a time.
+    if constexpr (kMma) {
+      float alpha[2];
       CUTE_UNROLL
-      for (int e = 0; e < 8; ++e) acc[r][e] *= alpha;
-    }
-    CUTE_UNROLL
-    for (int s = 0; s < kSteps; ++s) {
-      float vf[8];
-      unpack8<Element>(stage_at(stage, 1, s), vf);
+      for (int e = 0; e < 2; ++e) alpha[e] = live(2 * quad_col + e) ? smem.alphas[2 * quad_col + e] : 0.f;
+      CUTE_UNROLL
+      for (int db = 0; db < kHeadDim / 16; ++db) {
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) o_frag[db][e] *= alpha[e & 1];
+      }
+      CUTE_UNROLL
+      for (int mb = 0; mb < Traits::kWarpKeys / 16; ++mb) {
+        uint32_t pb[2];  // P^T's B fragment: row quad_row, keys 2 quad_col + {0, 1} and + 8
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          float const* prob = &smem.scores[quad_row][warp_key0 + mb * 16 + h * 8 + 2 * quad_col];
+          const auto pair =
+              live(quad_row)
+                  ? cutlass::NumericArrayConverter<Element, float, 2>{}(cutlass::Array<float, 2>{prob[0], prob[1]})
+                  : cutlass::Array<Element, 2>{};
+          pb[h] = reinterpret_cast<uint32_t const&>(pair);
+        }
+        CUTE_UNROLL
+        for (int db = 0; db < kHeadDim / 16; ++db) {
+          uint32_t a[4];
+          const int key = mb * 16 + (lane >> 4) * 8 + (lane & 7), piece = 2 * db + (lane >> 3 & 1);
+          cute::SM75_U16x8_LDSM_T::copy(reinterpret_cast<cute::uint128_t const&>(key_piece(stage, 1, key, piece)), a[0],
+                                        a[1], a[2], a[3]);
+          Traits::Mma::fma(o_frag[db][0], o_frag[db][1], o_frag[db][2], o_frag[db][3], a[0], a[1], a[2], a[3], pb[0],
+                           pb[1], o_frag[db][0], o_frag[db][1], o_frag[db][2], o_frag[db][3]);
+        }
+      }
+    } else {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         if (!live(r)) continue;
-        const float prob = smem.scores[r][warp_key0 + s * kKeysPerStep + slot];
+        const float alpha = smem.alphas[r];
         CUTE_UNROLL
-        for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(prob, vf[e], acc[r][e]);
+        for (int e = 0; e < 8; ++e) acc[r][e] *= alpha;
+      }
+      CUTE_UNROLL
+      for (int s = 0; s < kSteps; ++s) {
+        float vf[8];
+        unpack8<Element>(stage_at(stage, 1, s), vf);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          if (!live(r)) continue;
+          const float prob = smem.scores[r][warp_key0 + s * kKeysPerStep + slot];
+          CUTE_UNROLL
+          for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(prob, vf[e], acc[r][e]);
+        }
       }
     }
   }
@@ -301,15 +411,22 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
 
   // ---- Epilogue: O's parts summed over the keys of a warp, then over the warps; O / l and the log-sum-exp.
   CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
+  for (int r = 0; r < (kMma ? 0 : kRows); ++r) {
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) {
       CUTE_UNROLL
       for (int o = kLanesPerKey; o < 32; o *= 2) acc[r][e] += __shfl_xor_sync(0xffffffff, acc[r][e], o);
     }
   }
-  __syncthreads();  // the stages' memory becomes o_part
-  if (slot == 0 && col < kHeadDim) {
+  __syncthreads();       // the stages' memory becomes o_part
+  if constexpr (kMma) {  // C fragment element e: head dim 16 db + quad_row (+ 8 for e >= 2), row 2 quad_col + e % 2
+    CUTE_UNROLL
+    for (int db = 0; db < kHeadDim / 16; ++db) {
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e)
+        smem.o_part[warp][2 * quad_col + (e & 1)][db * 16 + quad_row + (e >> 1) * 8] = o_frag[db][e];
+    }
+  } else if (slot == 0 && col < kHeadDim) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL

@@ -149,24 +149,30 @@ constexpr Sm70BwdTile sm70_bwd_tile_choice(int head_dim, int i) {
 // The decoding kernel (decode.cuh): a block of 4 warps reads a key row 8 elements per lane, by the power of two
 // of lanes that covers the head dim, each lane `steps` rows of K and of V per chunk; a chunk is the keys of one
 // pass. In registers (the sm70 family): 8 rows for a single query row, 4 beside the registers of 8 rows. With
-// cp.async (the sm80 family), `stages` chunks in shared memory, kept in flight while the block computes. The
-// host's split count rounds to chunks.
+// cp.async (the sm80 family), `stages` chunks in shared memory, kept in flight while the block computes; there,
+// several query rows (head dims up to 128) use tensor cores, 16 keys of a warp per mma. The host's split count
+// rounds to chunks.
 constexpr int decode_lanes_per_key(int head_dim) {
   return head_dim <= 32 ? 4 : head_dim <= 64 ? 8 : head_dim <= 128 ? 16 : 32;
 }
+constexpr bool decode_mma(int head_dim, int rows, bool async) {
+  return async && rows > 1 && decode_lanes_per_key(head_dim) < 32;
+}
 // (8 where a whole warp reads one key row, so that a chunk holds at least 32 keys: a lane's share of a row.)
 constexpr int decode_steps(int head_dim, int rows, bool async) {
-  if (decode_lanes_per_key(head_dim) == 32) return 8;
+  const int keys_per_step = 32 / decode_lanes_per_key(head_dim);
+  if (decode_mma(head_dim, rows, async)) return keys_per_step >= 4 ? 4 : 16 / keys_per_step;
+  if (keys_per_step == 1) return 8;
   return rows == 1 && !async ? 8 : 4;
 }
-constexpr int decode_stages(int head_dim) { return decode_lanes_per_key(head_dim) == 32 ? 2 : 3; }
+constexpr int decode_stages(int head_dim, int rows) { return decode_lanes_per_key(head_dim) == 32 || rows > 1 ? 2 : 3; }
 constexpr int decode_chunk(int head_dim, int rows, bool async) {
   return 4 * (32 / decode_lanes_per_key(head_dim)) * decode_steps(head_dim, rows, async);
 }
 // Its shared memory in bytes (DecodeTraits::SharedStorage): the stages (or, after them, O's parts of the 4
 // warps), the scores of a chunk, three statistics per row.
 constexpr int decode_smem_bytes(int head_dim, int rows, bool async) {
-  const int ring = async ? decode_stages(head_dim) * 2 * decode_steps(head_dim, rows, async) * 128 * 16 : 0;
+  const int ring = async ? decode_stages(head_dim, rows) * 2 * decode_steps(head_dim, rows, async) * 128 * 16 : 0;
   const int o_part = 4 * rows * head_dim * 4;
   return (ring > o_part ? ring : o_part) + rows * decode_chunk(head_dim, rows, async) * 4 + (12 * rows + 15) / 16 * 16;
 }
