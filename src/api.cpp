@@ -242,7 +242,8 @@ int decode_split_count(Family family, int batch, int nheads, int nheads_k, int s
                        int num_splits) {
   const int rows = seqlen_q * (nheads / nheads_k) == 1 ? 1 : kDecodeMaxRows;
   const bool async = family == Family::kSm80;
-  const int chunk = decode_chunk(round_up_head_dim(head_dim), rows, async);
+  const int kernel_head_dim = round_up_head_dim(head_dim);
+  const int chunk = decode_chunk(kernel_head_dim, rows, async);
   const int chunks = std::max((seqlen_k + chunk - 1) / chunk, 1);
   int splits = num_splits;
   if (splits <= 0) {
@@ -253,12 +254,9 @@ int decode_split_count(Family family, int batch, int nheads, int nheads_k, int s
       cudaGetLastError();
       throw std::runtime_error("cuteflash: cannot read the current CUDA device's SM count");
     }
-    const int block_smem = decode_smem_bytes(round_up_head_dim(head_dim), rows, async) + 1024;  // + the driver's
-    const int per_sm = std::max(std::min(rows == 1                           ? 4
-                                         : decode_mma(head_dim, rows, async) ? 3
-                                                                             : 2,
-                                         smem / block_smem),
-                                1);
+    const int block_smem = decode_smem_bytes(kernel_head_dim, rows, async) + 1024;  // + the driver's
+    const int fill = rows == 1 ? 4 : decode_mma(kernel_head_dim, rows, async) ? 3 : 2;
+    const int per_sm = std::max(std::min(fill, smem / block_smem), 1);
     // Rounded down: a few blocks more than fit at once would take a second wave.
     const int64_t blocks = std::max<int64_t>(int64_t(batch) * nheads_k, 1);
     splits = int(std::min<int64_t>(per_sm * int64_t(sms) / blocks, kDecodeMaxSplits));
