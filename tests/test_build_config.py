@@ -1,6 +1,7 @@
 """CMake's configure step fails with a message a user can act on (needs cmake and nvcc, no GPU)."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,9 +14,27 @@ NVCC = os.environ.get("CUDACXX") or shutil.which("nvcc")
 # The cmake of this Python's environment (the pip package) comes first: the system one may be too old.
 CMAKE = shutil.which("cmake", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
 
-pytestmark = pytest.mark.skipif(
-    not (CMAKE and NVCC and (ROOT / "CMakeLists.txt").exists()), reason="needs cmake, nvcc and the source tree"
-)
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.search(r"(\d+)\.(\d+)", text).groups())
+
+
+def _cmake_too_old() -> bool:
+    """Whether CMAKE is older than CMakeLists.txt's cmake_minimum_required (`pip install cmake` brings a newer one)."""
+    wanted = re.search(r"cmake_minimum_required\(VERSION ([\d.]+)", (ROOT / "CMakeLists.txt").read_text()).group(1)
+    found = subprocess.run([CMAKE, "--version"], capture_output=True, text=True).stdout
+    return _version(found) < _version(wanted)
+
+
+pytestmark = [
+    pytest.mark.skipif(
+        not (CMAKE and NVCC and (ROOT / "CMakeLists.txt").exists()), reason="needs cmake, nvcc and the source tree"
+    ),
+    pytest.mark.skipif(
+        bool(CMAKE) and (ROOT / "CMakeLists.txt").exists() and _cmake_too_old(),
+        reason="the cmake found is older than CMakeLists.txt needs: pip install cmake",
+    ),
+]
 
 
 def nvcc_version():
