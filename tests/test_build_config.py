@@ -43,7 +43,7 @@ def nvcc_version():
     return tuple(int(x) for x in release.split("."))
 
 
-def configure(tmp_path, *defines):
+def configure(tmp_path, *defines, nvcc=None):
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CUDA_ARCH_LIST", "CUTLASS_INCLUDE_DIR")}
     r = subprocess.run(
         [
@@ -51,8 +51,8 @@ def configure(tmp_path, *defines):
             "-S",
             ROOT,
             "-B",
-            tmp_path,
-            f"-DCMAKE_CUDA_COMPILER={NVCC}",
+            tmp_path / "build",
+            f"-DCMAKE_CUDA_COMPILER={nvcc or NVCC}",
             f"-DPython_EXECUTABLE={sys.executable}",
             *defines,
         ],
@@ -83,3 +83,13 @@ def test_volta_with_cuda_13(tmp_path):
 def test_missing_cutlass(tmp_path):
     rc, log = configure(tmp_path, "-DTORCH_CUDA_ARCH_LIST=8.0", f"-DCUTLASS_INCLUDE_DIR={tmp_path / 'nowhere'}")
     assert rc != 0 and "pip install nvidia-cutlass" in log and "-DCUTLASS_INCLUDE_DIR" in log
+
+
+def test_failing_nvcc_shows_its_error(tmp_path):
+    """A CUDA compiler that cannot compile: the message carries the compiler's own error output."""
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'ptxas fatal: this toolkit is broken' >&2\nexit 1\n")
+    nvcc.chmod(0o755)
+    rc, log = configure(tmp_path, "-DTORCH_CUDA_ARCH_LIST=8.0", nvcc=nvcc)
+    assert rc != 0 and f"the CUDA compiler {nvcc} cannot compile a kernel" in log
+    assert "ptxas fatal: this toolkit is broken" in log and "CUDACXX" in log
