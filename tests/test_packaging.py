@@ -85,3 +85,16 @@ def test_pyproject_declares_build_and_runtime_requirements():
     assert "torch>=2.4" in meta["project"]["dependencies"]
     assert "pytest" in " ".join(meta["project"]["optional-dependencies"]["test"])
     assert meta["project"]["scripts"]["cuteflash-bench"] == "cuteflash.bench:main"
+
+
+def test_wheel_carries_its_license_and_cutlass_s():
+    """The installed distribution holds LICENSE and CUTLASS's notice (its headers are compiled into the module)."""
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.distribution("cuteflash").files or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("cuteflash is not installed")
+    names = {Path(str(f)).name for f in files if ".dist-info" in str(f)}
+    assert {"LICENSE", "CUTLASS-LICENSE.txt"} <= names, sorted(names)
+    assert "NVIDIA" in (ROOT / "licenses" / "CUTLASS-LICENSE.txt").read_text()
