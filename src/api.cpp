@@ -1,18 +1,22 @@
 // The pybind11 module cuteflash._C. It takes raw device pointers, sizes, strides, dtype codes and the
 // CUDA stream as plain integers, so it neither includes nor links libtorch: one build serves every
-// torch version. Python (python/cuteflash/_ops.py) validates the tensors first and calls with keyword
-// arguments; the checks here guard what would otherwise be out-of-bounds memory access.
+// torch version. Python (python/cuteflash/_ops.py) validates the tensors first; the checks here guard what
+// would otherwise be out-of-bounds memory access.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 
+#include "cuteflash/device.h"
 #include "cuteflash/dispatch.h"
 #include "cuteflash/mask.h"
 #include "cuteflash/tile_config.h"
@@ -247,26 +251,24 @@ int decode_split_count(Family family, int batch, int nheads, int nheads_k, int s
   const int chunks = std::max((seqlen_k + chunk - 1) / chunk, 1);
   int splits = num_splits;
   if (splits <= 0) {
-    int device = 0, sms = 0, smem = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess) {
-      cudaGetLastError();
-      throw std::runtime_error("cuteflash: cannot read the current CUDA device's SM count");
-    }
+    const DeviceLimits& device = device_limits();
     const int block_smem = decode_smem_bytes(kernel_head_dim, rows, async) + 1024;  // + the driver's
     const int fill = rows == 1 ? 4 : decode_mma(kernel_head_dim, rows, async) ? 3 : 2;
-    const int per_sm = std::max(std::min(fill, smem / block_smem), 1);
+    const int per_sm = std::max(std::min(fill, device.smem_per_sm / block_smem), 1);
     // Rounded down: a few blocks more than fit at once would take a second wave.
     const int64_t blocks = std::max<int64_t>(int64_t(batch) * nheads_k, 1);
-    splits = int(std::min<int64_t>(per_sm * int64_t(sms) / blocks, kDecodeMaxSplits));
+    splits = int(std::min<int64_t>(per_sm * int64_t(device.sms) / blocks, kDecodeMaxSplits));
   }
   return std::clamp(splits, 1, std::min(chunks, kDecodeMaxSplits));
 }
 
-// Throws unless the family's code in this module runs on the current device.
+// Throws unless the family's code in this module runs on the current device. The answer is kept per device (the
+// probe, a cudaFuncGetAttributes, costs a few microseconds and runs before every launch).
 void require_family_runs(Family family) {
-  if (!family_runs(family)) {
+  static std::array<std::atomic<int8_t>, 2 * kMaxDevices> known{};  // 0: not asked, 1: runs, -1: does not
+  std::atomic<int8_t>& runs = known[2 * current_device() + (family == Family::kSm80 ? 1 : 0)];
+  if (runs.load(std::memory_order_relaxed) == 0) runs.store(family_runs(family) ? 1 : -1, std::memory_order_relaxed);
+  if (runs.load(std::memory_order_relaxed) < 0) {
     throw std::runtime_error(std::string("cuteflash: the ") + family_name(family) +
                              " kernels were not compiled for this GPU (or no CUDA GPU is usable); rebuild with "
                              "TORCH_CUDA_ARCH_LIST naming its compute capability");
@@ -290,8 +292,9 @@ auto require_kernel(Find find, Family family, char const* direction, DType dtype
 // How a forward pass of these sizes runs: with the decoding kernel in `splits` splits of the keys (0: the tiled
 // kernels), which need o_accum_floats and lse_accum_floats of fp32 workspace (params.h) where splits > 1.
 // seqlen_k: the keys of a sequence, or their bound (a cache's rows). num_splits: flash-attn's (0: choose).
-py::dict fwd_plan(std::string const& family_name, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
-                  int head_dim, bool varlen, bool dropout, int num_splits) {
+std::tuple<int, int64_t, int64_t> fwd_plan(std::string const& family_name, int batch, int nheads, int nheads_k,
+                                           int seqlen_q, int seqlen_k, int head_dim, bool varlen, bool dropout,
+                                           int num_splits) {
   require(nheads_k >= 1 && nheads % nheads_k == 0, "nheads must be a multiple of nheads_k");
   require(round_up_head_dim(head_dim) > 0, "head_dim must be at most 256");
   int splits = 0;
@@ -300,19 +303,17 @@ py::dict fwd_plan(std::string const& family_name, int batch, int nheads, int nhe
                                 num_splits);
   }
   const int64_t rows = splits > 1 ? int64_t(splits) * batch * nheads * seqlen_q : 0;
-  py::dict plan;
-  plan["splits"] = splits;
-  plan["lse_accum_floats"] = rows;
-  plan["o_accum_floats"] = rows * round_up_head_dim(head_dim);
-  return plan;
+  return {splits, rows * round_up_head_dim(head_dim), rows};
 }
 
 void fwd(std::string const& family_name, int dtype_code, Operand const& q, Operand const& k, Operand const& v,
          Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
          int head_dim, float softmax_scale, bool causal, bool fp16_correction, uintptr_t stream, uintptr_t cu_seqlens_q,
          uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k, int window_left, int window_right, float softcap,
-         uintptr_t alibi_slopes, int alibi_batch_stride, double dropout_p, uintptr_t rng_state, Cache const& cache,
-         int num_splits, uintptr_t o_accum, uintptr_t lse_accum, int64_t accum_floats) {
+         uintptr_t alibi_slopes, int alibi_batch_stride, double dropout_p, uintptr_t rng_state,
+         std::optional<Cache> const& cache_arg, int num_splits, uintptr_t o_accum, uintptr_t lse_accum,
+         int64_t accum_floats) {
+  const Cache cache = cache_arg.value_or(Cache{});
   const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
   const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, dropout_p, rng_state};
   Family family = parse_family(family_name);
@@ -375,24 +376,22 @@ void append_kv(std::string const& family_name, Operand const& k_new, Operand con
 // also writes dq (the deterministic dQ kernels; sm70's dK/dV kernel, whose last block of a head converts
 // dQ while other blocks still read D).
 // total_q: the rows of q of a variable-length batch, -1 for a fixed-length one.
-py::dict bwd_workspace(std::string const& family_name, int head_dim, int batch, int nheads, int seqlen_q,
-                       bool deterministic, int64_t total_q) {
+std::pair<int64_t, bool> bwd_workspace(std::string const& family_name, int head_dim, int batch, int nheads,
+                                       int seqlen_q, bool deterministic, int64_t total_q) {
   const Family family = parse_family(family_name);
   const int kernel_head_dim = round_up_head_dim(head_dim);
   require(kernel_head_dim > 0, "head_dim must be at most 256");
-  py::dict w;
-  w["dq_accum_floats"] = dq_accum_layout(batch, nheads, seqlen_q, total_q, kernel_head_dim, deterministic).floats;
-  w["d_rowsum_in_dq"] = family == Family::kSm80 && !deterministic;
-  return w;
+  return {dq_accum_layout(batch, nheads, seqlen_q, total_q, kernel_head_dim, deterministic).floats,
+          family == Family::kSm80 && !deterministic};
 }
 
-void bwd(std::string const& family_name, int dtype_code, Operand const& dout, Operand const& q, Operand const& k,
-         Operand const& v, Operand const& out, uintptr_t lse, Operand const& dq, uintptr_t dq_accum,
-         int64_t dq_accum_floats_given, uintptr_t d_rowsum, Operand const& dk, Operand const& dv, int batch, int nheads,
-         int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale, bool causal, bool fp16_correction,
-         bool deterministic, uintptr_t stream, uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, int64_t total_q,
-         int64_t total_k, int window_left, int window_right, float softcap, uintptr_t alibi_slopes,
-         int alibi_batch_stride, double dropout_p, uintptr_t rng_state) {
+void bwd(std::string const& family_name, int dtype_code, Operand const& q, Operand const& k, Operand const& v,
+         Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
+         int head_dim, float softmax_scale, bool causal, bool fp16_correction, uintptr_t stream, uintptr_t cu_seqlens_q,
+         uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k, int window_left, int window_right, float softcap,
+         uintptr_t alibi_slopes, int alibi_batch_stride, double dropout_p, uintptr_t rng_state, Operand const& dout,
+         Operand const& dq, uintptr_t dq_accum, int64_t dq_accum_floats_given, uintptr_t d_rowsum, Operand const& dk,
+         Operand const& dv, bool deterministic) {
   const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
   const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, dropout_p, rng_state};
   Family family = parse_family(family_name);
@@ -491,14 +490,28 @@ py::dict build_info() {
 }  // namespace
 }  // namespace cuteflash
 
+// An Operand passes from Python as the tuple (data pointer, batch stride, row stride, head stride), strides in
+// elements: building a tuple costs the caller a fraction of constructing a bound class.
+namespace pybind11::detail {
+template <>
+struct type_caster<cuteflash::Operand> {
+  PYBIND11_TYPE_CASTER(cuteflash::Operand, const_name("tuple[int, int, int, int]"));
+
+  bool load(handle src, bool convert) {
+    make_caster<std::tuple<uintptr_t, int64_t, int64_t, int64_t>> fields;
+    if (!fields.load(src, convert)) return false;
+    auto [ptr, batch_stride, row_stride, head_stride] =
+        cast_op<std::tuple<uintptr_t, int64_t, int64_t, int64_t>>(std::move(fields));
+    value = cuteflash::Operand{reinterpret_cast<void*>(ptr), batch_stride, row_stride, head_stride};
+    return true;
+  }
+};
+}  // namespace pybind11::detail
+
+// _ops.py calls fwd, bwd, fwd_plan and bwd_workspace with positional arguments, in the order of these
+// signatures (keyword arguments cost the call a few microseconds); fwd and bwd share their first 28 parameters.
 PYBIND11_MODULE(_C, m) {
-  using cuteflash::Operand;
   m.doc() = "cuteflash kernels; call them through cuteflash.flash_attn_func, not directly";
-  py::class_<Operand>(m, "Operand", "A (batch, seqlen, heads, head_dim) tensor: data pointer and strides in elements")
-      .def(py::init([](uintptr_t ptr, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
-             return Operand{reinterpret_cast<void*>(ptr), batch_stride, row_stride, head_stride};
-           }),
-           py::arg("ptr"), py::arg("batch_stride"), py::arg("row_stride"), py::arg("head_stride"));
   py::class_<cuteflash::Cache>(m, "Cache", "A KV cache: int32 buffers (0: none) and its sizes (params.h)")
       .def(py::init([](uintptr_t seqused_k, int seqlen_new, uintptr_t leftpad_k, uintptr_t kv_batch_idx, int kv_batch,
                        int kv_rows, uintptr_t block_table, int64_t block_table_stride, int page_size, int num_pages) {
@@ -508,34 +521,34 @@ PYBIND11_MODULE(_C, m) {
            py::kw_only(), py::arg("seqused_k"), py::arg("seqlen_new"), py::arg("leftpad_k"), py::arg("kv_batch_idx"),
            py::arg("kv_batch"), py::arg("kv_rows"), py::arg("block_table") = 0, py::arg("block_table_stride") = 0,
            py::arg("page_size") = 0, py::arg("num_pages") = 0);
-  m.def("fwd", &cuteflash::fwd, py::kw_only(), py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
-        py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
+  m.def("fwd", &cuteflash::fwd, py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("out"), py::arg("lse"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"),
+        py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("fp16_correction"), py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
         py::arg("total_q") = 0, py::arg("total_k") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1,
         py::arg("softcap") = 0.f, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0,
-        py::arg("dropout_p") = 0.0, py::arg("rng_state") = 0, py::arg("cache") = cuteflash::Cache{},
-        py::arg("num_splits") = 0, py::arg("o_accum") = 0, py::arg("lse_accum") = 0, py::arg("accum_floats") = 0);
-  m.def("fwd_plan", &cuteflash::fwd_plan, py::kw_only(), py::arg("family"), py::arg("batch"), py::arg("nheads"),
-        py::arg("nheads_k"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("varlen"),
-        py::arg("dropout"), py::arg("num_splits"),
-        "Whether the decoding kernel computes a forward pass, in how many splits, and its workspace in floats.");
+        py::arg("dropout_p") = 0.0, py::arg("rng_state") = 0, py::arg("cache") = py::none(), py::arg("num_splits") = 0,
+        py::arg("o_accum") = 0, py::arg("lse_accum") = 0, py::arg("accum_floats") = 0);
+  m.def("fwd_plan", &cuteflash::fwd_plan, py::arg("family"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
+        py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("varlen"), py::arg("dropout"),
+        py::arg("num_splits"),
+        "(splits, o_accum_floats, lse_accum_floats): whether the decoding kernel computes a forward pass, in how "
+        "many splits, and its workspace in floats.");
   m.def("append_kv", &cuteflash::append_kv, py::kw_only(), py::arg("family"), py::arg("k"), py::arg("v"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("batch"), py::arg("seqlen_new"), py::arg("nheads_k"),
         py::arg("head_dim"), py::arg("cache"), py::arg("stream"),
         "Appends new keys and values to a KV cache at each sequence's cache_seqlens.");
-  m.def("bwd_workspace", &cuteflash::bwd_workspace, py::kw_only(), py::arg("family"), py::arg("head_dim"),
-        py::arg("batch"), py::arg("nheads"), py::arg("seqlen_q"), py::arg("deterministic"), py::arg("total_q") = -1,
-        "dq_accum's size in floats, and whether D may live in dq's memory, for a backward pass.");
-  m.def("bwd", &cuteflash::bwd, py::kw_only(), py::arg("family"), py::arg("dtype"), py::arg("dout"), py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dq_accum"),
-        py::arg("dq_accum_floats"), py::arg("d_rowsum"), py::arg("dk"), py::arg("dv"), py::arg("batch"),
-        py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"),
-        py::arg("softmax_scale"), py::arg("causal"), py::arg("fp16_correction"), py::arg("deterministic"),
-        py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0, py::arg("total_q") = 0,
-        py::arg("total_k") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.f,
-        py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0, py::arg("dropout_p") = 0.0,
-        py::arg("rng_state") = 0);
+  m.def("bwd_workspace", &cuteflash::bwd_workspace, py::arg("family"), py::arg("head_dim"), py::arg("batch"),
+        py::arg("nheads"), py::arg("seqlen_q"), py::arg("deterministic"), py::arg("total_q") = -1,
+        "(dq_accum_floats, d_rowsum_in_dq): dq_accum's size in floats, and whether D may live in dq's memory.");
+  m.def("bwd", &cuteflash::bwd, py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("out"), py::arg("lse"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"),
+        py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
+        py::arg("fp16_correction"), py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
+        py::arg("total_q") = 0, py::arg("total_k") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("softcap") = 0.f, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0,
+        py::arg("dropout_p") = 0.0, py::arg("rng_state") = 0, py::arg("dout"), py::arg("dq"), py::arg("dq_accum"),
+        py::arg("dq_accum_floats"), py::arg("d_rowsum"), py::arg("dk"), py::arg("dv"), py::arg("deterministic"));
   m.def("dropout_mask", &cuteflash::dropout_mask, py::kw_only(), py::arg("family"), py::arg("keep"), py::arg("rows"),
         py::arg("cols"), py::arg("batch"), py::arg("nheads"), py::arg("seqlen_q"), py::arg("seqlen_k"),
         py::arg("cu_seqlens_q"), py::arg("total_q"), py::arg("total_k"), py::arg("dropout_p"), py::arg("rng_state"),

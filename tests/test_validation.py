@@ -116,11 +116,8 @@ def call_c(direction="fwd", **overrides):
         for name, ptr in (("dout", 4096), ("dq", 4352), ("dk", 4608), ("dv", 4864)):
             args.setdefault(name, (ptr, (64, 64, 64)))
         args = {"dq_accum": 8192, "dq_accum_floats": 1 << 20, "d_rowsum": 6144, "deterministic": False, **args}
-    operands = {
-        name: C.Operand(ptr, *strides)
-        for name, value in args.items()
-        if isinstance(value, tuple)
-        for ptr, strides in [value]
+    operands = {  # (ptr, strides) as the module's operand tuples
+        name: (ptr, *strides) for name, value in args.items() if isinstance(value, tuple) for ptr, strides in [value]
     }
     getattr(C, direction)(**{**args, **operands})
 
@@ -167,15 +164,13 @@ def test_backward_workspace_rule():
     ws = _lib.compiled_module().bwd_workspace
     # 2 x 3 (batch, head) regions of 256 rows (200 rounded up to 128s) of the 64 kernel (head dim 40), then a count
     # per (batch, head); none for a deterministic pass, whose dQ kernel also needs D in its own buffer.
-    assert ws(family="sm80", head_dim=40, batch=2, nheads=3, seqlen_q=200, deterministic=False) == {
-        "dq_accum_floats": 2 * 3 * (256 * 64 + 1),
-        "d_rowsum_in_dq": True,
-    }
-    assert ws(family="sm80", head_dim=40, batch=2, nheads=3, seqlen_q=200, deterministic=True) == {
-        "dq_accum_floats": 0,
-        "d_rowsum_in_dq": False,
-    }
-    assert not ws(family="sm70", head_dim=64, batch=1, nheads=1, seqlen_q=1, deterministic=False)["d_rowsum_in_dq"]
+    # (dq_accum_floats, d_rowsum_in_dq)
+    assert ws(family="sm80", head_dim=40, batch=2, nheads=3, seqlen_q=200, deterministic=False) == (
+        2 * 3 * (256 * 64 + 1),
+        True,
+    )
+    assert ws(family="sm80", head_dim=40, batch=2, nheads=3, seqlen_q=200, deterministic=True) == (0, False)
+    assert not ws(family="sm70", head_dim=64, batch=1, nheads=1, seqlen_q=1, deterministic=False)[1]
 
 
 # Which inputs the kernels read in place (no copy) and which are copied first: pure stride/pointer logic.

@@ -1,6 +1,6 @@
-// Host helpers shared by the launchers of both families: the device's shared-memory limit, the choice
-// of the first tile variant that fits it, and a launch that raises the kernel's dynamic shared-memory
-// limit first when it needs more than 48 KB.
+// Host helpers shared by the launchers of both families: the choice of the first tile variant that fits the
+// device's shared memory, and a launch that raises the kernel's dynamic shared-memory limit first when it needs
+// more than 48 KB.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,23 +11,11 @@
 #include <string>
 #include <type_traits>
 
+#include "cuteflash/device.h"
 #include "cuteflash/sequence.cuh"
 #include "cuteflash/utils.cuh"
 
 namespace cuteflash {
-
-// The opt-in shared memory per block of the current device. Developers: CUTEFLASH_SMEM_LIMIT=<bytes>
-// lowers it, so that the tiles of a smaller GPU (T4: 65536, sm86/89: 101376) run on a larger one.
-inline int max_smem_per_block() {
-  int device = 0, max_smem = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-             "reading the shared-memory limit");
-  if (char const* limit = std::getenv("CUTEFLASH_SMEM_LIMIT"); limit != nullptr && *limit != '\0') {
-    max_smem = std::min(max_smem, std::atoi(limit));
-  }
-  return max_smem;
-}
 
 inline void require_smem(int needed, char const* what, int head_dim) {
   int available = max_smem_per_block();
@@ -89,10 +77,7 @@ void for_variant(FwdParams const& p, LaunchFor const& launch_for) {
 template <typename Params>
 void launch(void (*kernel)(Params), dim3 grid, int threads, int smem, cudaStream_t stream, Params const& p,
             char const* what) {
-  if (smem > 48 * 1024) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-               (std::string("setting the shared-memory size of the ") + what + " kernel").c_str());
-  }
+  if (smem > 48 * 1024) allow_dynamic_smem(reinterpret_cast<void const*>(kernel), smem, what);
   kernel<<<grid, threads, smem, stream>>>(p);
   check_cuda(cudaGetLastError(), (std::string("launching the ") + what + " kernel").c_str());
 }

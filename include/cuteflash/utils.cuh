@@ -1,5 +1,5 @@
 // Small device helpers shared by both kernel families: layout views of MMA accumulators, type
-// conversion of register fragments, predicated tile copies, and host-side CUDA error checks.
+// conversion of register fragments, predicated tile copies.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,17 +10,12 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include "cuteflash/device.h"
 #include "cuteflash/params.h"
 
 namespace cuteflash {
 
 using namespace cute;
-
-inline void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("cuteflash: ") + what + " failed: " + cudaGetErrorString(err));
-  }
-}
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 

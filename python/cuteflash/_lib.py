@@ -83,7 +83,10 @@ def select_family(device) -> str:
     """The kernel family for a CUDA device: sm80 for compute capability 8.0+, sm70 for 7.x, or the
     one that ``CUTEFLASH_BACKEND`` (auto, sm70, sm80) forces. Raises if it cannot run there.
     Called on every kernel launch, so the answer is cached per (device, CUTEFLASH_BACKEND)."""
-    index = torch.device(device).index if not isinstance(device, int) else device
+    if isinstance(device, torch.device):
+        index = device.index
+    else:
+        index = device if isinstance(device, int) else torch.device(device).index
     if index is None:
         index = torch.cuda.current_device()
     key = (index, os.environ.get(BACKEND_ENV, "auto") or "auto")

@@ -6,6 +6,7 @@ else about the layout is handled here, so calling the op directly is safe too.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import NamedTuple
 
@@ -23,8 +24,9 @@ MAX_ROW_STRIDE = 2**24  # the kernels index inside a block of rows with 32-bit o
 def in_place(t: torch.Tensor) -> bool:
     """Whether the kernels can read (or write) t in place: last dim contiguous, 16-byte aligned rows,
     row stride below MAX_ROW_STRIDE. Slices of a packed qkv tensor can."""
-    aligned = t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
-    return t.stride(-1) == 1 and aligned and t.stride(-3) < MAX_ROW_STRIDE
+    strides = t.stride()
+    aligned = math.gcd(*strides[:-1]) % 8 == 0 and t.data_ptr() % 16 == 0  # the gcd: every stride a multiple of 8
+    return strides[-1] == 1 and aligned and strides[-3] < MAX_ROW_STRIDE
 
 
 def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
@@ -35,20 +37,39 @@ def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t.contiguous()
 
 
-def _operand(t: torch.Tensor):
-    """A (b, s, h, d) tensor, or a variable-length batch's (total, h, d), as the compiled module's Operand:
-    data pointer and (batch, row, head) strides (a batch stride of 0 for the packed rows)."""
-    batch_stride = t.stride(0) if t.dim() == 4 else 0
-    return compiled_module().Operand(t.data_ptr(), batch_stride, t.stride(-3), t.stride(-2))
+def _empty_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised contiguous tensor shaped like t (empty_like without the memory-format argument where t is
+    contiguous: that argument doubles the call's host time)."""
+    return torch.empty_like(t) if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-def _launch(device: torch.device, kernel, **kwargs):
+def _operand(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """A (b, s, h, d) tensor, or a variable-length batch's (total, h, d), as the compiled module takes an operand:
+    (data pointer, batch stride, row stride, head stride), a batch stride of 0 for the packed rows."""
+    strides = t.stride()
+    return (t.data_ptr(), strides[0] if len(strides) == 4 else 0, strides[-3], strides[-2])
+
+
+# torch's raw queries of the current stream's handle and the current device, where this torch has them: the public
+# torch.cuda.current_stream builds a Stream object on each call, several times the cost.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
+
+def _launch(device: torch.device, kernel, *args, **kwargs):
     """Calls a function of the compiled module (a launcher, or a query of the device) with `device` as the current
     CUDA device (the kernels launch on the current one), switching only when it is not already."""
-    if device.index == torch.cuda.current_device():
-        return kernel(**kwargs)
+    if device.index == _current_device():
+        return kernel(*args, **kwargs)
     with torch.cuda.device(device):
-        return kernel(**kwargs)
+        return kernel(*args, **kwargs)
+
+
+def _stream(device: torch.device) -> int:
+    """The current CUDA stream of device, as the integer handle the launchers take."""
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _fp16_correction(family: str) -> bool:
@@ -110,47 +131,62 @@ def draw_rng_state(device: torch.device) -> torch.Tensor:
     return torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64, device=device)
 
 
-def _problem(
-    family: str, q, k, v, out, lse, softmax_scale: float, causal: bool, varlen: Varlen | None, options: Options
-) -> dict:
-    """The keyword arguments that _C.fwd and _C.bwd share: the problem, and the stream it runs on."""
-    nheads, head_dim = q.shape[-2:]
-    nheads_k = k.shape[-2]
-    problem = dict(
-        family=family,
-        dtype=_DTYPE_CODES[q.dtype],
-        q=_operand(q),
-        k=_operand(k),
-        v=_operand(v),
-        out=_operand(out),
-        lse=lse.data_ptr(),
-        nheads=nheads,
-        nheads_k=nheads_k,
-        head_dim=head_dim,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        fp16_correction=_fp16_correction(family),
-        stream=torch.cuda.current_stream(q.device).cuda_stream,
-        window_left=options.window_left,
-        window_right=options.window_right,
-        softcap=options.softcap,
-    )
-    slopes = options.alibi_slopes
-    if slopes is not None:
-        problem.update(alibi_slopes=slopes.data_ptr(), alibi_batch_stride=slopes.shape[-1] if slopes.dim() == 2 else 0)
-    if options.dropout_p > 0:
-        problem.update(dropout_p=options.dropout_p, rng_state=options.rng_state.data_ptr())
+def _sizes(q: torch.Tensor, varlen: Varlen | None) -> tuple[int, int, int]:
+    """(batch, seqlen_q, nheads) of a call: a variable-length batch's seqlen_q is its bound."""
     if varlen is None:
-        return dict(problem, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1])
-    return dict(
-        problem,
-        batch=varlen.cu_seqlens_q.numel() - 1,
-        seqlen_q=varlen.max_seqlen_q,
-        seqlen_k=varlen.max_seqlen_k,
-        cu_seqlens_q=varlen.cu_seqlens_q.data_ptr(),
-        cu_seqlens_k=varlen.cu_seqlens_k.data_ptr(),
-        total_q=q.shape[0],
-        total_k=k.shape[0],
+        return q.shape[0], q.shape[1], q.shape[2]
+    return varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, q.shape[1]
+
+
+def _problem(
+    family: str,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    softmax_scale: float,
+    causal: bool,
+    varlen: Varlen | None,
+    options: Options,
+    seqlen_k: int | None = None,
+) -> tuple:
+    """The arguments that _C.fwd and _C.bwd begin with, in their order (src/api.cpp): the problem, and the stream
+    it runs on. seqlen_k: a KV cache's rows (default: k's)."""
+    batch, seqlen_q, nheads = _sizes(q, varlen)
+    if seqlen_k is None:
+        seqlen_k = k.shape[1] if varlen is None else varlen.max_seqlen_k
+    slopes = options.alibi_slopes
+    dropout = options.dropout_p > 0
+    return (
+        family,
+        _DTYPE_CODES[q.dtype],
+        _operand(q),
+        _operand(k),
+        _operand(v),
+        _operand(out),
+        lse.data_ptr(),
+        batch,
+        nheads,
+        k.shape[-2],  # nheads_k
+        seqlen_q,
+        seqlen_k,
+        q.shape[-1],  # head_dim
+        softmax_scale,
+        causal,
+        _fp16_correction(family),
+        _stream(q.device),
+        0 if varlen is None else varlen.cu_seqlens_q.data_ptr(),
+        0 if varlen is None else varlen.cu_seqlens_k.data_ptr(),
+        0 if varlen is None else q.shape[0],  # total_q
+        0 if varlen is None else k.shape[0],  # total_k
+        options.window_left,
+        options.window_right,
+        options.softcap,
+        0 if slopes is None else slopes.data_ptr(),
+        slopes.shape[-1] if slopes is not None and slopes.dim() == 2 else 0,  # alibi_batch_stride
+        options.dropout_p if dropout else 0.0,
+        options.rng_state.data_ptr() if dropout else 0,
     )
 
 
@@ -229,36 +265,39 @@ def fwd_impl(
     q = _kernel_operand(q)
     if cache is None:
         k, v = _kernel_operand(k), _kernel_operand(v)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    out = _empty_contiguous(q)
+    lse = q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
     seqlen_k = k.shape[-3] if cache is None else cache_rows(k, cache.block_table)
     if seqlen_k == 0 or (varlen is None and k.shape[0] == 0):  # every row is empty
         return out.zero_(), lse.fill_(float("inf"))
-    problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options)
-    plan = _launch(
+    nheads_k, head_dim = k.shape[-2:]
+    batch, seqlen_q, nheads = _sizes(q, varlen)
+    C = compiled_module()
+    splits, o_accum_floats, lse_accum_floats = _launch(
         q.device,
-        compiled_module().fwd_plan,
-        family=family,
-        batch=problem["batch"],
-        nheads=problem["nheads"],
-        nheads_k=problem["nheads_k"],
-        seqlen_q=problem["seqlen_q"],
-        seqlen_k=seqlen_k,
-        head_dim=problem["head_dim"],
-        varlen=varlen is not None,
-        dropout=options.dropout_p > 0,
-        num_splits=num_splits,
+        C.fwd_plan,
+        family,
+        batch,
+        nheads,
+        nheads_k,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        varlen is not None,
+        options.dropout_p > 0,
+        num_splits,
     )
+    cache_arg, accum = None, None
     if cache is not None:
-        if cache.block_table is not None and plan["splits"] == 0:
+        if cache.block_table is not None and splits == 0:
             cache, k, v = _gather_pages(cache, k, v)
-            problem.update(k=_operand(k), v=_operand(v))
-        problem.update(cache=_cache_arg(cache, k), seqlen_k=seqlen_k)
-    if plan["splits"] > 1:
-        o_accum = torch.empty(plan["o_accum_floats"], dtype=torch.float32, device=q.device)
-        lse_accum = torch.empty(plan["lse_accum_floats"], dtype=torch.float32, device=q.device)
-        problem.update(o_accum=o_accum.data_ptr(), lse_accum=lse_accum.data_ptr(), accum_floats=o_accum.numel())
-    _launch(q.device, compiled_module().fwd, **problem, num_splits=plan["splits"])
+        cache_arg = _cache_arg(cache, k)
+    if splits > 1:  # o_accum, then lse_accum (o_accum_floats keeps it 16-byte aligned)
+        accum = torch.empty(o_accum_floats + lse_accum_floats, dtype=torch.float32, device=q.device)
+    problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options, seqlen_k)
+    o_accum = 0 if accum is None else accum.data_ptr()
+    lse_accum = 0 if accum is None else o_accum + 4 * o_accum_floats
+    _launch(q.device, C.fwd, *problem, cache_arg, splits, o_accum, lse_accum, o_accum_floats)
     return out, lse
 
 
@@ -279,12 +318,11 @@ def append_kv(k_cache, v_cache, k, v, cache: Cache) -> None:
         nheads_k=k.shape[2],
         head_dim=k.shape[3],
         cache=_cache_arg(cache, k_cache),
-        stream=torch.cuda.current_stream(k.device).cuda_stream,
+        stream=_stream(k.device),
     )
 
 
-@torch.library.custom_op("cuteflash::fwd", mutates_args=(), device_types="cuda")
-def fwd(
+def fwd_op_impl(
     q: torch.Tensor,
     k: torch.Tensor | None,
     v: torch.Tensor | None,
@@ -302,21 +340,28 @@ def fwd(
     rng_state: torch.Tensor | None,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward kernel as an operator that torch.compile and autograd see. q, k, v may be packed
-    (unpack); cu_seqlens_q None: a fixed-length batch, whose max_seqlen_q/k are ignored; the options as
-    Options. `deterministic` is kept for the backward pass."""
+    """The forward kernel as the operator fwd computes it. q, k, v may be packed (unpack); cu_seqlens_q None: a
+    fixed-length batch, whose max_seqlen_q/k are ignored; the options as Options. `deterministic` is kept for the
+    backward pass."""
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     options = Options(window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
     return fwd_impl(*unpack(q, k, v), softmax_scale, causal, varlen, options)
 
 
+# The operator that torch.compile sees (and its autograd, registered below).
+fwd = torch.library.custom_op("cuteflash::fwd", mutates_args=(), device_types="cuda")(fwd_op_impl)
+
+
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *rest):
-    """The op under torch.compile or when a gradient is wanted; otherwise the implementation directly,
-    which skips the dispatcher's cost per call. rest: the options (Options' fields), then deterministic."""
-    if torch.compiler.is_compiling() or (
-        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v))
-    ):
-        return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *rest)
+    """The op under torch.compile; else, when a gradient is wanted, the same autograd rules through
+    torch.autograd.Function (Attention); otherwise the implementation directly. The op's dispatch and autograd
+    layers take more host time per call than the kernels' launches. rest: the options (Options' fields), then
+    deterministic."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *rest)
+    if torch.compiler.is_compiling():
+        return fwd(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or any(t is not None and t.requires_grad for t in (k, v))):
+        return Attention.apply(*args)
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return fwd_impl(*unpack(q, k, v), softmax_scale, causal, varlen, Options(*rest[:-1]))
 
@@ -354,53 +399,45 @@ def bwd_into(
             "detach the inputs, or rebuild with the backward pass"
         )
     dout, q, k, v, out = (_kernel_operand(t) for t in (dout, q, k, v, out))
-    problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options)
-    nheads, head_dim = q.shape[-2:]
-    nheads_k = k.shape[-2]
     if _no_keys(q, k, varlen) or q.numel() == 0:  # no query or no key: every gradient is zero
         for t in (dq, dk, dv):
             t.zero_()
         return
-    f32 = dict(dtype=torch.float32, device=q.device)
+    problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options)
+    nheads, head_dim = q.shape[-2:]
+    nheads_k = k.shape[-2]
+    C = compiled_module()
     # dq_accum (dQ's fp32 atomics; none for a deterministic pass) and where D = rowsum(dO * O) lives, as the
     # compiled module rules (params.h, api.cpp).
-    workspace = compiled_module().bwd_workspace(
-        family=family,
-        head_dim=head_dim,
-        batch=problem["batch"],
-        nheads=nheads,
-        seqlen_q=problem["seqlen_q"],
-        deterministic=deterministic,
-        total_q=-1 if varlen is None else q.shape[0],
+    batch, seqlen_q, _ = _sizes(q, varlen)
+    dq_accum_floats, d_rowsum_in_dq = C.bwd_workspace(
+        family, head_dim, batch, nheads, seqlen_q, deterministic, -1 if varlen is None else q.shape[0]
     )
-    dq_accum = torch.empty(workspace["dq_accum_floats"], **f32)
+    dq_accum = q.new_empty(dq_accum_floats, dtype=torch.float32)
     # The kernels write into dq, dk, dv in place where they can read them as operands (any view of a packed
     # gradient), else into fresh tensors copied over.
-    dq_k = dq if in_place(dq) else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if workspace["d_rowsum_in_dq"] and dq_k.is_contiguous():
-        d_rowsum = dq_k.view(-1)[: 2 * lse.numel()].view(torch.float32).view(lse.shape)
-    else:
-        d_rowsum = torch.empty(lse.shape, **f32)
+    dq_k = dq if in_place(dq) else _empty_contiguous(q)
+    # D takes the first 4 * lse.numel() bytes of a contiguous dq (which holds 2 * head_dim of them per row of D),
+    # else a buffer of its own
+    d_rowsum = dq_k if d_rowsum_in_dq and dq_k.is_contiguous() else lse.new_empty(lse.shape)
     # A dK/dV per query head (for MQA/GQA, summed over each group below).
     grouped = nheads != nheads_k
     dk_k, dv_k = (
-        t
-        if not grouped and in_place(t)
-        else torch.empty(q.shape[:-3] + k.shape[-3:-2] + (nheads, head_dim), dtype=q.dtype, device=q.device)
+        t if not grouped and in_place(t) else q.new_empty(q.shape[:-3] + k.shape[-3:-2] + (nheads, head_dim))
         for t in (dk, dv)
     )
     _launch(
         q.device,
-        compiled_module().bwd,
-        **problem,
-        dout=_operand(dout),
-        dq=_operand(dq_k),
-        dq_accum=dq_accum.data_ptr(),
-        dq_accum_floats=dq_accum.numel(),
-        d_rowsum=d_rowsum.data_ptr(),
-        dk=_operand(dk_k),
-        dv=_operand(dv_k),
-        deterministic=deterministic,
+        C.bwd,
+        *problem,
+        _operand(dout),
+        _operand(dq_k),
+        dq_accum.data_ptr(),
+        dq_accum_floats,
+        d_rowsum.data_ptr(),
+        _operand(dk_k),
+        _operand(dv_k),
+        deterministic,
     )
     if dq_k is not dq:
         dq.copy_(dq_k)
@@ -411,8 +448,7 @@ def bwd_into(
             given.copy_(computed)
 
 
-@torch.library.custom_op("cuteflash::bwd", mutates_args=(), device_types="cuda")
-def bwd(
+def bwd_op_impl(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor | None,
@@ -435,12 +471,15 @@ def bwd(
 ) -> list[torch.Tensor]:
     """The gradients of the forward op's inputs that are given (q, k, v, or packed: one per input), as
     fresh tensors shaped like them."""
-    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v) if t is not None]
+    grads = [_empty_contiguous(t) for t in (q, k, v) if t is not None]
     dq, dk, dv = unpack(*grads, *[None] * (3 - len(grads)))
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     options = Options(window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
     bwd_into(dq, dk, dv, dout, *unpack(q, k, v), out, lse, softmax_scale, causal, deterministic, varlen, options)
     return grads
+
+
+bwd = torch.library.custom_op("cuteflash::bwd", mutates_args=(), device_types="cuda")(bwd_op_impl)
 
 
 @bwd.register_fake
@@ -449,49 +488,65 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, *rest = inputs
-    *options, deterministic = rest
-    options = Options(*options)
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+     window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic) = inputs  # fmt: skip
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, options.alibi_slopes, options.rng_state)
-    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
-    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
-    ctx.window_left, ctx.window_right, ctx.softcap = options.window_left, options.window_right, options.softcap
-    ctx.dropout_p = options.dropout_p
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
+    ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p)
+    ctx.deterministic = deterministic
     ctx.mark_non_differentiable(lse)  # as flash-attn: the log-sum-exp is returned for inspection only
     ctx.set_materialize_grads(False)  # lse's gradient stays None instead of a tensor of zeros
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
-    grads = iter(
-        bwd(
-            grad_out,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            ctx.max_seqlen_q,
-            ctx.max_seqlen_k,
-            ctx.softmax_scale,
-            ctx.causal,
-            ctx.window_left,
-            ctx.window_right,
-            ctx.softcap,
-            alibi_slopes,
-            ctx.dropout_p,
-            rng_state,
-            ctx.deterministic,
+def _backward_with(bwd_fn):
+    """The forward's backward rule, computing the gradients with bwd_fn (the op bwd, or its implementation)."""
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
+        max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p = ctx.args
+        grads = iter(
+            bwd_fn(
+                grad_out,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                softmax_scale,
+                causal,
+                window_left,
+                window_right,
+                softcap,
+                alibi_slopes,
+                dropout_p,
+                rng_state,
+                ctx.deterministic,
+            )
         )
-    )
-    dq, dk, dv = (next(grads) if t is not None else None for t in (q, k, v))
-    return dq, dk, dv, *[None] * 13
+        dq, dk, dv = (next(grads) if t is not None else None for t in (q, k, v))
+        return dq, dk, dv, *[None] * 13
+
+    return backward
 
 
-fwd.register_autograd(_backward, setup_context=_setup_context)
+fwd.register_autograd(_backward_with(bwd), setup_context=_setup_context)
+
+
+class Attention(torch.autograd.Function):
+    """The forward op's autograd rules (the same context and backward) around the implementations, for eager
+    calls."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = fwd_op_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_backward_with(bwd_op_impl))
 
 
 def kvcache_impl(
@@ -579,7 +634,7 @@ def dropout_mask(
         total_k=total_k,
         dropout_p=dropout_p,
         rng_state=rng_state.data_ptr(),
-        stream=torch.cuda.current_stream(rng_state.device).cuda_stream,
+        stream=_stream(rng_state.device),
     )
     return keep.view(torch.bool)
 

@@ -146,9 +146,9 @@ def _check_qkv(q, k, v, varlen: bool, names=("q", "k", "v"), same_batch: bool = 
             "multiple of the number of key/value heads (MQA/GQA)"
         )
     for name, t in zip(names, (q, k, v)):
-        if t.device.type != "cuda":
+        if not t.is_cuda:
             raise ValueError(f"{name} is on {t.device}; cuteflash runs on CUDA GPUs: move it with {name}.cuda()")
-    if not (q.device == k.device == v.device):
+    if not (q.get_device() == k.get_device() == v.get_device()):
         raise ValueError(f"{qn}, {kn}, {vn} must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
