@@ -79,6 +79,9 @@ def test_default_suite_covers_sizes_dtypes_and_masks():
     assert {c.dtype for c in bench.build_cases(bench.parse_args([]), bf16_ok=False)} == {"fp16"}
     baselines = bench.build_cases(bench.parse_args(["--suite", "baselines"]), bf16_ok=True)
     assert {(c.batch, c.heads, c.seqlen_q, c.head_dim) for c in baselines} == set(bench.SUITES["baselines"])
+    # the latency table's shapes run beside the suite's, or alone
+    assert not bench.build_cases(bench.parse_args(["--suite", "latency"]), bf16_ok=True)
+    assert {backward for _, backward in bench.LATENCY_SHAPES} == {False, True}
 
 
 def test_cases_limited_to_compiled_head_dims(monkeypatch):
@@ -166,7 +169,9 @@ def test_quick_suite_on_the_gpu(tmp_path, capsys):
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     assert results and all(r["correct"] for r in results)
     assert all(r["tflops"]["fwd"]["cuteflash"] > 0 and r["tflops"]["bwd"]["cuteflash"] > 0 for r in results)
-    assert "verdict: CORRECT" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "verdict: CORRECT" in out
+    assert "Per-call latency" in out  # the quick run ends with the latency table
 
 
 def test_peers_choose_the_backends_timed(capsys):

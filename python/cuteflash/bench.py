@@ -37,6 +37,7 @@ SUITES = {
     "varlen": [],  # VARLEN_MIXED and VARLEN_EQUAL only
     "options": [],  # OPTIONS_SHAPE only
     "decode": [],  # DECODE_SHAPES only
+    "latency": [],  # LATENCY_SHAPES only
 }
 QUICK_SHAPES = [(1, 4, 256, 64), (1, 16, 1024, 128)]
 # Variable-length batches (flash_attn_varlen_func), causal. "mixed": lengths drawn uniformly from 128-4096 up
@@ -59,6 +60,16 @@ OPTIONS = {
 # given as a fraction of the GPU's copy bandwidth (a device-to-device copy, measured in the same run).
 DECODE_SHAPES = [(1, 8192), (1, 65536), (8, 8192), (32, 8192)]
 DECODE_HEADS, DECODE_HEAD_DIM, DECODE_PAGES = 32, 128, (16, 256)
+# Per-call latency: the wall time of one call in a loop of back-to-back calls, host and GPU together (the timer
+# synchronises at each end of a block of calls), causal fp16, (batch, seqlen, heads, head_dim) and whether the call
+# includes the backward pass (torch.autograd.grad). Where the host's work per call exceeds the GPU's, this is what a
+# training or decoding loop pays. Run with the default and quick suites, and alone with --suite latency.
+LATENCY_SHAPES = [
+    ((1, 512, 16, 64), True),
+    ((4, 1024, 16, 128), True),
+    ((1, 1, 32, 128), False),
+    ((8, 128, 16, 64), False),
+]
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")  # math: plain PyTorch attention
 FAST_SDPA = SDPA_BACKENDS[:3]
 IMPLS = ("cuteflash",) + SDPA_BACKENDS
@@ -564,6 +575,59 @@ def run_decode(args) -> list[list[str]]:
     return rows
 
 
+def _latency_us(fn) -> float:
+    """Median microseconds per call of fn in back-to-back calls, host included (torch.utils.benchmark)."""
+    from torch.utils.benchmark import Timer
+
+    fn()
+    return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.2).median * 1e6
+
+
+def run_latency(args) -> list[list[str]]:
+    """LATENCY_SHAPES: rows of a table of microseconds per call, cuteflash's and the fast SDPA backends'."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from . import flash_attn_func
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    backends["efficient"] = SDPBackend.EFFICIENT_ATTENTION
+    backends = {name: b for name, b in backends.items() if name in args.peers}
+    rows = [["batch, seqlen, heads, dim", "pass", "cuteflash us", *(f"{b} us" for b in backends), "x best SDPA"]]
+
+    def timed(fwd, qkv, dout):
+        def call():
+            out = fwd(*qkv)
+            if dout is not None:
+                torch.autograd.grad(out, qkv, dout)
+
+        return _latency_us(call)
+
+    for shape, backward in LATENCY_SHAPES:
+        if kernel_head_dim(shape[3], args.head_dims) is None:
+            continue
+        qkv = [torch.randn(shape, device="cuda", dtype=torch.float16, requires_grad=backward) for _ in range(3)]
+        dout = torch.randn_like(qkv[0]) if backward else None
+        ours = timed(partial(flash_attn_func, causal=True), qkv, dout)
+        qkv_t = [t.detach().transpose(1, 2).contiguous().requires_grad_(backward) for t in qkv]
+        dout_t = None if dout is None else dout.transpose(1, 2).contiguous()
+        sdpa = {}
+        for name, backend in backends.items():
+            try:
+                with sdpa_kernel(backend):
+                    sdpa[name] = timed(partial(F.scaled_dot_product_attention, is_causal=True), qkv_t, dout_t)
+            except RuntimeError:
+                sdpa[name] = None
+        best = min((t for t in sdpa.values() if t), default=None)
+        rows.append(
+            [", ".join(map(str, shape)), "fwd+bwd" if backward else "fwd", f"{ours:.0f}"]
+            + [f"{sdpa[n]:.0f}" if sdpa[n] else "-" for n in backends]
+            + [f"{best / ours:.2f}x" if best else "-"]
+        )
+    return rows
+
+
 def varlen_table(results: list[VarlenResult], ours_key: str = "cuteflash varlen") -> list[list[str]]:
     rows = [["case", "dtype", "dir", f"{ours_key.split()[-1]} ms", "peer", "peer ms", "speedup"]]
     for r in results:
@@ -807,7 +871,11 @@ def main(argv=None) -> int:
     varlen_runs = not args.quick and args.suite in ("default", "varlen") and VARLEN_MIXED[4] in built["head_dims"]
     options_runs = args.suite == "options" and OPTIONS_SHAPE[3] in built["head_dims"]
     decode_runs = args.suite == "decode" and DECODE_HEAD_DIM in built["head_dims"]
-    if not cases and not varlen_runs and not options_runs and not decode_runs:
+    args.head_dims = built["head_dims"]
+    latency_runs = args.suite in ("default", "latency") and any(
+        kernel_head_dim(shape[3], args.head_dims) for shape, _ in LATENCY_SHAPES
+    )
+    if not cases and not varlen_runs and not options_runs and not decode_runs and not latency_runs:
         print("cuteflash.bench: this build serves none of the requested head dims", file=sys.stderr)
         return 2
     results = [run_case(case, args) for case in _progress(cases, len(cases))]
@@ -824,6 +892,9 @@ def main(argv=None) -> int:
         print("\n" + format_rows(title, run_decode(args)))
     if results:
         print_tables(results)
+    if latency_runs:
+        title = "Per-call latency, causal fp16: microseconds per call in a loop of calls, host and GPU"
+        print("\n" + format_rows(title, run_latency(args)))
     if varlen:
         print(
             "\n" + format_rows("Variable-length batches, causal (speedup: peer ms / varlen ms)", varlen_table(varlen))
