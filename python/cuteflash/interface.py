@@ -76,12 +76,12 @@ def _check_options(q, batch: int, window_size, softcap, alibi_slopes) -> tuple:
     """window_size as two ints (a negative side: unbounded, -1), softcap as a float >= 0, and alibi_slopes
     (fp32, (nheads,) or (batch, nheads), on q's device) checked; returns them as _ops.fwd takes them."""
     try:
-        left, right = (operator.index(w) for w in window_size)
+        left, right = window_size
+        window = (max(operator.index(left), -1), max(operator.index(right), -1))
     except (TypeError, ValueError):
         raise TypeError(
             f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}"
         ) from None
-    window = tuple(max(w, -1) for w in (left, right))
     if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"softcap must be a finite number >= 0 (0.0: off), got {softcap!r}")
     if alibi_slopes is not None:
@@ -110,6 +110,7 @@ def _check_options(q, batch: int, window_size, softcap, alibi_slopes) -> tuple:
 def _check_qkv(q, k, v, varlen: bool, names=("q", "k", "v"), same_batch: bool = True) -> None:
     """q, k, v (as `names` calls them): tensors of one supported dtype and device, shaped alike; same_batch: k's
     batch is q's."""
+    dims = 3 if varlen else 4
     for name, t in zip(names, (q, k, v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -118,15 +119,13 @@ def _check_qkv(q, k, v, varlen: bool, names=("q", "k", "v"), same_batch: bool = 
                 f"{name} has dtype {t.dtype}; cuteflash supports torch.float16 and torch.bfloat16: "
                 f"convert with {name}.half() or {name}.bfloat16()"
             )
-        if varlen and t.dim() != 3:
-            raise ValueError(
-                f"{name} must have 3 dimensions (total_seqlen, nheads, headdim) in a variable-length batch, "
-                f"got shape {tuple(t.shape)}"
+        if t.dim() != dims:
+            layout = (
+                "(total_seqlen, nheads, headdim) in a variable-length batch"
+                if varlen
+                else "(batch, seqlen, nheads, headdim)"
             )
-        if not varlen and t.dim() != 4:
-            raise ValueError(
-                f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), got shape {tuple(t.shape)}"
-            )
+            raise ValueError(f"{name} must have {dims} dimensions {layout}, got shape {tuple(t.shape)}")
     qn, kn, vn = names
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{qn}, {kn}, {vn} must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -145,9 +144,9 @@ def _check_qkv(q, k, v, varlen: bool, names=("q", "k", "v"), same_batch: bool = 
             f"{qn} has {nheads} heads, {kn} and {vn} have {nheads_k}: the number of query heads must be a "
             "multiple of the number of key/value heads (MQA/GQA)"
         )
-    for name, t in zip(names, (q, k, v)):
-        if not t.is_cuda:
-            raise ValueError(f"{name} is on {t.device}; cuteflash runs on CUDA GPUs: move it with {name}.cuda()")
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        name, t = next((name, t) for name, t in zip(names, (q, k, v)) if not t.is_cuda)
+        raise ValueError(f"{name} is on {t.device}; cuteflash runs on CUDA GPUs: move it with {name}.cuda()")
     if not (q.get_device() == k.get_device() == v.get_device()):
         raise ValueError(f"{qn}, {kn}, {vn} must be on one device, got {q.device}, {k.device}, {v.device}")
 
