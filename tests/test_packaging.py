@@ -98,3 +98,34 @@ def test_wheel_carries_its_license_and_cutlass_s():
     names = {Path(str(f)).name for f in files if ".dist-info" in str(f)}
     assert {"LICENSE", "CUTLASS-LICENSE.txt"} <= names, sorted(names)
     assert "NVIDIA" in (ROOT / "licenses" / "CUTLASS-LICENSE.txt").read_text()
+
+
+def test_info_check_fails_where_the_kernels_cannot_serve(monkeypatch, capsys):
+    """python -m cuteflash.info --check (the wheels' test command) exits 1 when the module does not load or a
+    required family lacks kernels, and 0 when the build holds them (no GPU: nothing to run)."""
+    torch = pytest.importorskip("torch")
+    from cuteflash import _lib, info
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    both = {
+        "families": {f: {"targets": ["8.0"], "directions": ["bwd", "fwd"]} for f in ("sm70", "sm80")},
+        "cuda_version": "12.9",
+        "kernels": [],
+    }
+    monkeypatch.setattr(info, "describe", lambda: "cuteflash (test)")
+    monkeypatch.setattr(_lib, "build_info", lambda: both)
+    assert info.main(["--check", "--family", "sm70", "--family", "sm80"]) == 0
+    assert "check passed" in capsys.readouterr().out
+    forward_only = {**both, "families": {"sm80": {"targets": ["8.0"], "directions": ["fwd"]}}}
+    monkeypatch.setattr(_lib, "build_info", lambda: forward_only)
+    assert info.main(["--check", "--family", "sm80"]) == 1
+    assert info.main(["--check", "--family", "sm70"]) == 1
+    assert "no sm70 forward and backward kernels" in capsys.readouterr().out
+
+    def unloadable():
+        raise RuntimeError("cuteflash's compiled module could not be loaded")
+
+    monkeypatch.setattr(_lib, "build_info", unloadable)
+    assert info.main(["--check"]) == 1
+    assert "does not load" in capsys.readouterr().out
+    assert info.main([]) == 0  # without --check it only reports

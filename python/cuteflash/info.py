@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 
@@ -37,9 +38,69 @@ def describe() -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def check(families: list[str]) -> list[str]:
+    """Why this install cannot serve its users, if it cannot: the compiled module does not load, a family in
+    `families` (default: any) has no forward and backward kernels, or a visible GPU fails a small attention call
+    against PyTorch's. Empty when all is well; for a wheel's test command."""
+    from ._lib import build_info
+
+    try:
+        info = build_info()
+    except RuntimeError as e:
+        return [f"the compiled module does not load: {e}"]
+    problems = []
+    compiled = info["families"]
+    for family in families or ([] if compiled else ["sm70 or sm80"]):
+        entry = compiled.get(family)
+        if entry is None or not {"fwd", "bwd"} <= set(entry["directions"]):
+            problems.append(f"no {family} forward and backward kernels in this build")
+    try:
+        import torch
+    except ImportError:
+        return problems
+    if not torch.cuda.is_available():
+        return problems
+    from . import flash_attn_func
+
+    for i in range(torch.cuda.device_count()):
+        try:
+            q, k, v = (torch.randn(1, 128, 2, 64, device=f"cuda:{i}", dtype=torch.float16) for _ in range(3))
+            out = flash_attn_func(q, k, v, causal=True)
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                *(t.transpose(1, 2).float() for t in (q, k, v)), is_causal=True
+            ).transpose(1, 2)
+            error = (out.float() - expected).abs().max().item()
+            if not error < 1e-2:
+                problems.append(f"GPU {i}: the attention call is off by {error:.3g}")
+        except Exception as e:  # any failure to run is what the check reports
+            problems.append(f"GPU {i}: {type(e).__name__}: {e}")
+    return problems
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cuteflash.info", description=__doc__)
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit with status 1 unless the kernels load (and, on each visible GPU, compute a small call correctly)",
+    )
+    parser.add_argument(
+        "--family",
+        action="append",
+        choices=["sm70", "sm80"],
+        default=[],
+        help="with --check: a family that must be compiled in (repeatable; default: any)",
+    )
+    args = parser.parse_args(argv)
     print(describe())
-    return 0
+    if not args.check:
+        return 0
+    problems = check(args.family)
+    for problem in problems:
+        print(f"check failed: {problem}")
+    if not problems:
+        print("check passed")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
