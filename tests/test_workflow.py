@@ -1,5 +1,6 @@
-"""The wheel workflow parses, and its matrix builds every kernel family the build knows, each with
-arch lists the toolkit of that entry accepts and that select that family only."""
+"""The release workflow parses; its one build covers both kernel families with targets its toolkit accepts,
+compiles the kernels once (the kernel cache), names no local version (PyPI refuses those), tests that each wheel
+loads its kernels, and publishes on tags."""
 
 from pathlib import Path
 
@@ -17,39 +18,53 @@ def workflow():
     return yaml.safe_load(WORKFLOW.read_text())
 
 
-def targets(workflow):
-    return workflow["jobs"]["wheel"]["strategy"]["matrix"]["target"]
+def build_env(workflow) -> dict:
+    """CIBW_ENVIRONMENT_LINUX as a dict, and the other cibuildwheel settings."""
+    step = next(s for s in workflow["jobs"]["wheels"]["steps"] if "cibuildwheel" in s.get("uses", ""))
+    env = dict(step["env"])
+    variables = {}
+    for item in env["CIBW_ENVIRONMENT_LINUX"].split():
+        name, _, value = item.partition("=")
+        variables[name] = value.strip('"')
+    return env, variables
 
 
-def test_matrix_covers_every_family(workflow):
-    assert {t["family"] for t in targets(workflow)} == set(_arch.FAMILIES)
+def test_one_build_covers_both_families(workflow):
+    env, variables = build_env(workflow)
+    cuda = tuple(int(x) for x in variables["CUDACXX"].split("cuda-")[1].split("/")[0].split("."))
+    assert cuda[0] == 12  # CUDA 13 dropped Volta
+    assert f"cuda-nvcc-{cuda[0]}-{cuda[1]}" in env["CIBW_BEFORE_ALL_LINUX"]
+    selection = _arch.parse(variables["TORCH_CUDA_ARCH_LIST"], cuda=cuda)  # raises if the toolkit cannot build one
+    assert {70, 72, 75} == {t.cc for t in selection.targets["sm70"]}
+    assert {80, 86, 89, 90, 100, 120} == {t.cc for t in selection.targets["sm80"]}
+    assert selection.targets["sm80"][-1].ptx  # PTX of the newest target, for GPUs after it
 
 
-@pytest.mark.parametrize("index", range(3))
-def test_each_entry_selects_its_family_only(workflow, index):
-    entries = targets(workflow)
-    if index >= len(entries):
-        pytest.skip("fewer entries")
-    t = entries[index]
-    cuda = tuple(int(x) for x in t["cuda"].split("."))
-    sel = _arch.parse(t["arch_list"], cuda=cuda)  # raises if this toolkit cannot build an entry
-    assert sel.targets[t["family"]], f"{t} builds nothing of its family"
-    for other in _arch.FAMILIES:
-        if other != t["family"]:
-            assert not sel.targets[other], f"{t} also builds {other}"
+def test_kernels_compiled_once_and_wheels_checked(workflow):
+    env, variables = build_env(workflow)
+    assert variables["CUTEFLASH_KERNEL_CACHE"].startswith("/project/")  # shared by the Pythons' builds
+    assert "--check" in env["CIBW_TEST_COMMAND"]
+    assert "--family sm70" in env["CIBW_TEST_COMMAND"] and "--family sm80" in env["CIBW_TEST_COMMAND"]
+    assert "--exclude libcuda.so.1" in env["CIBW_REPAIR_WHEEL_COMMAND_LINUX"]
 
 
-def test_cuda_versions(workflow):
-    entries = targets(workflow)
-    assert all(t["cuda"].startswith("12.") for t in entries if t["family"] == "sm70")  # CUDA 13 dropped Volta
-    sm80 = {t["cuda"].split(".")[0] for t in entries if t["family"] == "sm80"}
-    assert sm80 == {"12", "13"}
+def test_no_local_version(workflow):
+    text = WORKFLOW.read_text()
+    assert "pyproject.toml" not in text  # the version is the project's, unchanged
+    assert "+cu" not in text
 
 
-def test_local_version_names_cuda_and_family(workflow):
-    steps = workflow["jobs"]["wheel"]["steps"]
-    script = next(s["run"] for s in steps if "Local version" in s.get("name", ""))
-    assert "+${cuda_tag}.${{ matrix.target.family }}" in script
+def test_jobs_have_timeouts(workflow):
+    for name, job in workflow["jobs"].items():
+        assert 0 < job.get("timeout-minutes", 0) <= 360, f"{name} has no timeout within GitHub's limit"
+
+
+def test_publishes_on_tags_by_trusted_publishing(workflow):
+    publish = workflow["jobs"]["publish"]
+    assert set(publish["needs"]) == {"wheels", "sdist"}
+    assert "refs/tags/v" in publish["if"]
+    assert publish["permissions"]["id-token"] == "write"
+    assert any("pypi-publish" in s.get("uses", "") for s in publish["steps"])
 
 
 def test_sdist_job(workflow):
@@ -58,4 +73,4 @@ def test_sdist_job(workflow):
 
 def test_triggers(workflow):
     triggers = workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on` as True
-    assert "workflow_dispatch" in triggers
+    assert "workflow_dispatch" in triggers and triggers["push"]["tags"] == ["v*"]

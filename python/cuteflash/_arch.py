@@ -4,6 +4,11 @@ This file is the one source of truth for architecture selection: CMake runs it a
 (``python _arch.py --cmake ...``) and the package imports it at run time to word its error messages.
 It needs nothing but the standard library, so it runs inside an isolated build environment.
 
+Why not CMake's own architecture handling (CMAKE_CUDA_ARCHITECTURES, "native"): it takes CMake's grammar
+(``80-real;90-virtual``), not the TORCH_CUDA_ARCH_LIST that users of PyTorch extensions already set, and it has
+no notion of the two families that split the targets at 8.0; the targets chosen here are handed to CMake as
+each family library's CUDA_ARCHITECTURES, which then builds them as it would its own.
+
 Grammar (PyTorch's, ``torch.utils.cpp_extension``): entries separated by ``;`` or spaces; each entry is
 ``X.Y``, ``X.Y+PTX``, ``X.Ya`` / ``X.Yf`` (arch-specific / family-specific targets), or one of PyTorch's
 names (Volta, Turing, Ampere, Ada, Hopper, ...), which expand as PyTorch expands them. Empty entries are
