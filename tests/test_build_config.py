@@ -93,3 +93,29 @@ def test_failing_nvcc_shows_its_error(tmp_path):
     rc, log = configure(tmp_path, "-DTORCH_CUDA_ARCH_LIST=8.0", nvcc=nvcc)
     assert rc != 0 and f"the CUDA compiler {nvcc} cannot compile a kernel" in log
     assert "ptxas fatal: this toolkit is broken" in log and "CUDACXX" in log
+
+
+def test_configure_estimates_time_and_finds_the_kernel_cache(tmp_path, monkeypatch):
+    """A good configure says what it compiles and about how long it takes; with CUTEFLASH_KERNEL_CACHE it keys
+    the kernels, and once the key's library is there, a configure plans to compile nothing."""
+    pybind11 = pytest.importorskip("pybind11")
+    pytest.importorskip("cutlass_library")
+    monkeypatch.setenv("CMAKE_BUILD_PARALLEL_LEVEL", "2")
+    cache = tmp_path / "kernel-cache"
+    defines = [
+        "-DTORCH_CUDA_ARCH_LIST=8.0",
+        "-DCUTEFLASH_HEADDIMS=64",
+        f"-DCUTEFLASH_KERNEL_CACHE={cache}",
+        f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+    ]
+    rc, log = configure(tmp_path, *defines)
+    assert rc == 0, log
+    assert "6 kernel files (head dims: 64), 6 kernel compilations" in log
+    assert re.search(r"about \d+ min with 2 parallel jobs \(a rough estimate\)", log)
+    entry = Path(re.search(r"the kernels will be kept in the cache, (\S+)", log).group(1))
+    assert entry.parent == cache
+    entry.mkdir(parents=True)
+    (entry / "libcuteflash_kernels.a").write_bytes(b"!<arch>\n")  # the library a build would have left
+    rc, log = configure(tmp_path / "again", *defines)
+    assert rc == 0, log
+    assert f"kernels from the cache, {entry / 'libcuteflash_kernels.a'}: nothing to compile" in log
