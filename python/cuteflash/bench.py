@@ -212,7 +212,9 @@ def _time_ms(fns, repeats: int) -> float:
     launched ahead when the clock starts: its launch cost is hidden wherever the GPU is the bottleneck,
     as in a training loop, and counted where the host is. (Without the sleep, a batch of one long call
     also timed the host's time to launch it: at B=8, H=16, S=2048, D=64 that took 25 % off cuteflash's
-    backward and 15 % off PyTorch's flash backend on the H200.)"""
+    backward and 15 % off PyTorch's flash backend on the H200.) Not torch.utils.benchmark's Timer or triton's
+    do_bench: they time calls as the host issues them, so a short call counts the host's launch cost; that is what
+    the latency table wants (_latency_us uses the Timer), not the TFLOP/s tables."""
     import torch
 
     for fn in fns:
