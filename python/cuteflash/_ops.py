@@ -149,11 +149,12 @@ def _problem(
     causal: bool,
     varlen: Varlen | None,
     options: Options,
+    sizes: tuple[int, int, int],
     seqlen_k: int | None = None,
 ) -> tuple:
     """The arguments that _C.fwd and _C.bwd begin with, in their order (src/api.cpp): the problem, and the stream
-    it runs on. seqlen_k: a KV cache's rows (default: k's)."""
-    batch, seqlen_q, nheads = _sizes(q, varlen)
+    it runs on. sizes: _sizes(q, varlen); seqlen_k: a KV cache's rows (default: k's)."""
+    batch, seqlen_q, nheads = sizes
     if seqlen_k is None:
         seqlen_k = k.shape[1] if varlen is None else varlen.max_seqlen_k
     slopes = options.alibi_slopes
@@ -271,7 +272,7 @@ def fwd_impl(
     if seqlen_k == 0 or (varlen is None and k.shape[0] == 0):  # every row is empty
         return out.zero_(), lse.fill_(float("inf"))
     nheads_k, head_dim = k.shape[-2:]
-    batch, seqlen_q, nheads = _sizes(q, varlen)
+    sizes = batch, seqlen_q, nheads = _sizes(q, varlen)
     C = compiled_module()
     splits, o_accum_floats, lse_accum_floats = _launch(
         q.device,
@@ -294,7 +295,7 @@ def fwd_impl(
         cache_arg = _cache_arg(cache, k)
     if splits > 1:  # o_accum, then lse_accum (o_accum_floats keeps it 16-byte aligned)
         accum = torch.empty(o_accum_floats + lse_accum_floats, dtype=torch.float32, device=q.device)
-    problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options, seqlen_k)
+    problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options, sizes, seqlen_k)
     o_accum = 0 if accum is None else accum.data_ptr()
     lse_accum = 0 if accum is None else o_accum + 4 * o_accum_floats
     _launch(q.device, C.fwd, *problem, cache_arg, splits, o_accum, lse_accum, o_accum_floats)
@@ -403,13 +404,13 @@ def bwd_into(
         for t in (dq, dk, dv):
             t.zero_()
         return
-    problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options)
-    nheads, head_dim = q.shape[-2:]
+    sizes = batch, seqlen_q, nheads = _sizes(q, varlen)
+    problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options, sizes)
+    head_dim = q.shape[-1]
     nheads_k = k.shape[-2]
     C = compiled_module()
     # dq_accum (dQ's fp32 atomics; none for a deterministic pass) and where D = rowsum(dO * O) lives, as the
     # compiled module rules (params.h, api.cpp).
-    batch, seqlen_q, _ = _sizes(q, varlen)
     dq_accum_floats, d_rowsum_in_dq = C.bwd_workspace(
         family, head_dim, batch, nheads, seqlen_q, deterministic, -1 if varlen is None else q.shape[0]
     )
