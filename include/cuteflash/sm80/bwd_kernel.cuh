@@ -75,8 +75,10 @@ __device__ __forceinline__ auto dq_tile(BwdParams const& p, Sequence const& seq,
 }
 
 // How many consecutive dQ accumulator elements a thread adds with one reduction: sm90 has 16-byte ones,
-// a quarter of the reduction instructions (2 % faster backward at d=256 on H200).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// a quarter of the reduction instructions (2 % faster backward at d=256 on H200). They need PTX ISA 8.1, which
+// nvcc emits from CUDA 12.1 on; an older nvcc builds sm90 with the scalar reductions.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1))
 constexpr int kDqAccumVec = 4;
 #else
 constexpr int kDqAccumVec = 1;
