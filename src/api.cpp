@@ -506,21 +506,26 @@ struct type_caster<cuteflash::Operand> {
     return true;
   }
 };
+
+// A KV cache (Cache) as the tuple of its fields in their order, for the same reason.
+template <>
+struct type_caster<cuteflash::Cache> {
+  using Fields = std::tuple<uintptr_t, int, uintptr_t, uintptr_t, int, int, uintptr_t, int64_t, int, int>;
+  PYBIND11_TYPE_CASTER(cuteflash::Cache, const_name("tuple[int, int, int, int, int, int, int, int, int, int]"));
+
+  bool load(handle src, bool convert) {
+    make_caster<Fields> fields;
+    if (!fields.load(src, convert)) return false;
+    value = std::apply([](auto... field) { return cuteflash::Cache{field...}; }, cast_op<Fields>(std::move(fields)));
+    return true;
+  }
+};
 }  // namespace pybind11::detail
 
-// _ops.py calls fwd, bwd, fwd_plan and bwd_workspace with positional arguments, in the order of these
+// _ops.py calls fwd, bwd, fwd_plan, bwd_workspace and append_kv with positional arguments, in the order of these
 // signatures (keyword arguments cost the call a few microseconds); fwd and bwd share their first 28 parameters.
 PYBIND11_MODULE(_C, m) {
   m.doc() = "cuteflash kernels; call them through cuteflash.flash_attn_func, not directly";
-  py::class_<cuteflash::Cache>(m, "Cache", "A KV cache: int32 buffers (0: none) and its sizes (params.h)")
-      .def(py::init([](uintptr_t seqused_k, int seqlen_new, uintptr_t leftpad_k, uintptr_t kv_batch_idx, int kv_batch,
-                       int kv_rows, uintptr_t block_table, int64_t block_table_stride, int page_size, int num_pages) {
-             return cuteflash::Cache{seqused_k, seqlen_new,  leftpad_k,          kv_batch_idx, kv_batch,
-                                     kv_rows,   block_table, block_table_stride, page_size,    num_pages};
-           }),
-           py::kw_only(), py::arg("seqused_k"), py::arg("seqlen_new"), py::arg("leftpad_k"), py::arg("kv_batch_idx"),
-           py::arg("kv_batch"), py::arg("kv_rows"), py::arg("block_table") = 0, py::arg("block_table_stride") = 0,
-           py::arg("page_size") = 0, py::arg("num_pages") = 0);
   m.def("fwd", &cuteflash::fwd, py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("out"), py::arg("lse"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"),
         py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
@@ -534,9 +539,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_splits"),
         "(splits, o_accum_floats, lse_accum_floats): whether the decoding kernel computes a forward pass, in how "
         "many splits, and its workspace in floats.");
-  m.def("append_kv", &cuteflash::append_kv, py::kw_only(), py::arg("family"), py::arg("k"), py::arg("v"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("batch"), py::arg("seqlen_new"), py::arg("nheads_k"),
-        py::arg("head_dim"), py::arg("cache"), py::arg("stream"),
+  m.def("append_kv", &cuteflash::append_kv, py::arg("family"), py::arg("k"), py::arg("v"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("batch"), py::arg("seqlen_new"), py::arg("nheads_k"), py::arg("head_dim"),
+        py::arg("cache"), py::arg("stream"),
         "Appends new keys and values to a KV cache at each sequence's cache_seqlens.");
   m.def("bwd_workspace", &cuteflash::bwd_workspace, py::arg("family"), py::arg("head_dim"), py::arg("batch"),
         py::arg("nheads"), py::arg("seqlen_q"), py::arg("deterministic"), py::arg("total_q") = -1,

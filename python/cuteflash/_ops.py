@@ -208,20 +208,20 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _cache_arg(cache: Cache, k: torch.Tensor):
-    """The compiled module's Cache for cache, whose k cache is k."""
+def _cache_arg(cache: Cache, k: torch.Tensor) -> tuple:
+    """cache as the compiled module takes a Cache (src/api.cpp): the tuple of its fields, k being the k cache."""
     table = cache.block_table
-    return compiled_module().Cache(
-        seqused_k=cache.seqlens.data_ptr(),
-        seqlen_new=cache.seqlen_new,
-        leftpad_k=_ptr(cache.leftpad),
-        kv_batch_idx=_ptr(cache.batch_idx),
-        kv_batch=k.shape[0],
-        kv_rows=cache_rows(k, table),
-        block_table=_ptr(table),
-        block_table_stride=0 if table is None else table.stride(0),
-        page_size=0 if table is None else k.shape[1],
-        num_pages=0 if table is None else k.shape[0],
+    return (
+        cache.seqlens.data_ptr(),
+        cache.seqlen_new,
+        _ptr(cache.leftpad),
+        _ptr(cache.batch_idx),
+        k.shape[0],  # kv_batch
+        cache_rows(k, table),  # kv_rows
+        _ptr(table),
+        0 if table is None else table.stride(0),
+        0 if table is None else k.shape[1],  # page_size
+        0 if table is None else k.shape[0],  # num_pages
     )
 
 
@@ -309,17 +309,14 @@ def append_kv(k_cache, v_cache, k, v, cache: Cache) -> None:
     _launch(
         k.device,
         compiled_module().append_kv,
-        family=select_family(k.device),
-        k=_operand(k),
-        v=_operand(v),
-        k_cache=_operand(k_cache),
-        v_cache=_operand(v_cache),
-        batch=k.shape[0],
-        seqlen_new=k.shape[1],
-        nheads_k=k.shape[2],
-        head_dim=k.shape[3],
-        cache=_cache_arg(cache, k_cache),
-        stream=_stream(k.device),
+        select_family(k.device),
+        _operand(k),
+        _operand(v),
+        _operand(k_cache),
+        _operand(v_cache),
+        *k.shape,  # batch, seqlen_new, nheads_k, head_dim
+        _cache_arg(cache, k_cache),
+        _stream(k.device),
     )
 
 
