@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import sys
+import warnings
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
@@ -585,8 +586,32 @@ def _latency_us(fn) -> float:
     return Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.2).median * 1e6
 
 
+def _graphed(fn, inputs: list, backward: bool):
+    """fn(*inputs) captured in a CUDA graph, as a function of no arguments that replays it (with backward: through
+    torch.cuda.make_graphed_callables, whose backward replays a graph of its own)."""
+    import torch
+
+    if backward:
+        # Its warm-up and its capture of the backward pass run on two side streams; autograd warns that the
+        # inputs' gradient nodes see both (torch's own doing, harmless here).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
+            return torch.cuda.make_graphed_callables(fn, tuple(inputs))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up calls outside the capture, as torch.cuda.graph asks
+        for _ in range(3):
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*inputs)
+    return lambda *args: graph.replay()
+
+
 def run_latency(args) -> list[list[str]]:
-    """LATENCY_SHAPES: rows of a table of microseconds per call, cuteflash's and the fast SDPA backends'."""
+    """LATENCY_SHAPES: rows of a table of microseconds per call, cuteflash's and the fast SDPA backends', eager and
+    (cuteflash and the flash backend) captured in a CUDA graph, where the host's work per call is gone."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -596,9 +621,14 @@ def run_latency(args) -> list[list[str]]:
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
     backends["efficient"] = SDPBackend.EFFICIENT_ATTENTION
     backends = {name: b for name, b in backends.items() if name in args.peers}
+    graphed_peer = "flash" if "flash" in backends else None
     rows = [["batch, seqlen, heads, dim", "pass", "cuteflash us", *(f"{b} us" for b in backends), "x best SDPA"]]
+    rows[0] += ["cuteflash graphed us"] + ([f"{graphed_peer} graphed us", "x graphed"] if graphed_peer else [])
 
-    def timed(fwd, qkv, dout):
+    def timed(fwd, qkv, dout, graph=False):
+        if graph:
+            fwd = _graphed(fwd, qkv, dout is not None)
+
         def call():
             out = fwd(*qkv)
             if dout is not None:
@@ -606,27 +636,43 @@ def run_latency(args) -> list[list[str]]:
 
         return _latency_us(call)
 
+    def sdpa_with(backend):
+        def sdpa(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        return sdpa
+
     for shape, backward in LATENCY_SHAPES:
         if kernel_head_dim(shape[3], args.head_dims) is None:
             continue
         qkv = [torch.randn(shape, device="cuda", dtype=torch.float16, requires_grad=backward) for _ in range(3)]
         dout = torch.randn_like(qkv[0]) if backward else None
-        ours = timed(partial(flash_attn_func, causal=True), qkv, dout)
+        ours_fn = partial(flash_attn_func, causal=True)
+        ours = timed(ours_fn, qkv, dout)
         qkv_t = [t.detach().transpose(1, 2).contiguous().requires_grad_(backward) for t in qkv]
         dout_t = None if dout is None else dout.transpose(1, 2).contiguous()
         sdpa = {}
         for name, backend in backends.items():
             try:
-                with sdpa_kernel(backend):
+                # A backend that refuses the shape warns, then raises: its column shows "-".
+                with sdpa_kernel(backend), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
                     sdpa[name] = timed(partial(F.scaled_dot_product_attention, is_causal=True), qkv_t, dout_t)
             except RuntimeError:
                 sdpa[name] = None
         best = min((t for t in sdpa.values() if t), default=None)
-        rows.append(
-            [", ".join(map(str, shape)), "fwd+bwd" if backward else "fwd", f"{ours:.0f}"]
-            + [f"{sdpa[n]:.0f}" if sdpa[n] else "-" for n in backends]
-            + [f"{best / ours:.2f}x" if best else "-"]
-        )
+        row = [", ".join(map(str, shape)), "fwd+bwd" if backward else "fwd", f"{ours:.0f}"]
+        row += [f"{sdpa[n]:.0f}" if sdpa[n] else "-" for n in backends] + [f"{best / ours:.2f}x" if best else "-"]
+        ours_graphed = timed(ours_fn, qkv, dout, graph=True)
+        row.append(f"{ours_graphed:.0f}")
+        if graphed_peer:
+            try:
+                theirs = timed(sdpa_with(backends[graphed_peer]), qkv_t, dout_t, graph=True)
+            except RuntimeError:
+                theirs = None
+            row += [f"{theirs:.0f}", f"{theirs / ours_graphed:.2f}x"] if theirs else ["-", "-"]
+        rows.append(row)
     return rows
 
 
