@@ -587,8 +587,9 @@ def _latency_us(fn) -> float:
 
 
 def _graphed(fn, inputs: list, backward: bool):
-    """fn(*inputs) captured in a CUDA graph, as a function of no arguments that replays it (with backward: through
-    torch.cuda.make_graphed_callables, whose backward replays a graph of its own)."""
+    """fn(*inputs) captured in a CUDA graph, as a function that replays it when called like fn (with backward:
+    torch.cuda.make_graphed_callables, which copies its arguments in and whose backward replays a graph of its own;
+    without: a replay of the captured call, its arguments ignored)."""
     import torch
 
     if backward:
