@@ -943,6 +943,7 @@ def main(argv=None) -> int:
         print_tables(results)
     if latency_runs:
         title = "Per-call latency, causal fp16: microseconds per call in a loop of calls, host and GPU"
+        title += " (graphed: the call captured in a CUDA graph)"
         print("\n" + format_rows(title, run_latency(args)))
     if varlen:
         print(
