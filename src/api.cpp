@@ -522,18 +522,25 @@ struct type_caster<cuteflash::Cache> {
 };
 }  // namespace pybind11::detail
 
-// _ops.py calls fwd, bwd, fwd_plan, bwd_workspace and append_kv with positional arguments, in the order of these
-// signatures (keyword arguments cost the call a few microseconds); fwd and bwd share their first 28 parameters.
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "cuteflash kernels; call them through cuteflash.flash_attn_func, not directly";
-  m.def("fwd", &cuteflash::fwd, py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("out"), py::arg("lse"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"),
+// Binds a launcher (fwd, bwd) whose parameters begin with the 28 of the problem that both share (_ops._problem
+// builds them), followed by its own, `own`.
+template <typename Func, typename... Own>
+void def_launcher(py::module_& m, char const* name, Func func, Own&&... own) {
+  m.def(name, func, py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+        py::arg("lse"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"),
         py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("fp16_correction"), py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
         py::arg("total_q") = 0, py::arg("total_k") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1,
         py::arg("softcap") = 0.f, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0,
-        py::arg("dropout_p") = 0.0, py::arg("rng_state") = 0, py::arg("cache") = py::none(), py::arg("num_splits") = 0,
-        py::arg("o_accum") = 0, py::arg("lse_accum") = 0, py::arg("accum_floats") = 0);
+        py::arg("dropout_p") = 0.0, py::arg("rng_state") = 0, std::forward<Own>(own)...);
+}
+
+// _ops.py calls fwd, bwd, fwd_plan, bwd_workspace and append_kv with positional arguments, in the order of these
+// signatures (keyword arguments cost the call a few microseconds).
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "cuteflash kernels; call them through cuteflash.flash_attn_func, not directly";
+  def_launcher(m, "fwd", &cuteflash::fwd, py::arg("cache") = py::none(), py::arg("num_splits") = 0,
+               py::arg("o_accum") = 0, py::arg("lse_accum") = 0, py::arg("accum_floats") = 0);
   m.def("fwd_plan", &cuteflash::fwd_plan, py::arg("family"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
         py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("varlen"), py::arg("dropout"),
         py::arg("num_splits"),
@@ -546,14 +553,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("bwd_workspace", &cuteflash::bwd_workspace, py::arg("family"), py::arg("head_dim"), py::arg("batch"),
         py::arg("nheads"), py::arg("seqlen_q"), py::arg("deterministic"), py::arg("total_q") = -1,
         "(dq_accum_floats, d_rowsum_in_dq): dq_accum's size in floats, and whether D may live in dq's memory.");
-  m.def("bwd", &cuteflash::bwd, py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("out"), py::arg("lse"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"),
-        py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
-        py::arg("fp16_correction"), py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
-        py::arg("total_q") = 0, py::arg("total_k") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("softcap") = 0.f, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0,
-        py::arg("dropout_p") = 0.0, py::arg("rng_state") = 0, py::arg("dout"), py::arg("dq"), py::arg("dq_accum"),
-        py::arg("dq_accum_floats"), py::arg("d_rowsum"), py::arg("dk"), py::arg("dv"), py::arg("deterministic"));
+  def_launcher(m, "bwd", &cuteflash::bwd, py::arg("dout"), py::arg("dq"), py::arg("dq_accum"),
+               py::arg("dq_accum_floats"), py::arg("d_rowsum"), py::arg("dk"), py::arg("dv"), py::arg("deterministic"));
   m.def("dropout_mask", &cuteflash::dropout_mask, py::kw_only(), py::arg("family"), py::arg("keep"), py::arg("rows"),
         py::arg("cols"), py::arg("batch"), py::arg("nheads"), py::arg("seqlen_q"), py::arg("seqlen_k"),
         py::arg("cu_seqlens_q"), py::arg("total_q"), py::arg("total_k"), py::arg("dropout_p"), py::arg("rng_state"),
