@@ -56,10 +56,11 @@ OPTIONS = {
     "alibi": {},
     "dropout 0.1": {"dropout_p": 0.1},
 }
-# Decoding (flash_attn_with_kvcache, one query per sequence, 32 heads of 128, fp16): (batch, cached keys), timed
+# Decoding (flash_attn_with_kvcache, 32 heads of 128, fp16): (batch, cached keys, queries per sequence), timed
 # beside SDPA's backends on the same keys, and as paged caches (pages of 16 and 256 rows); the cache read is also
-# given as a fraction of the GPU's copy bandwidth (a device-to-device copy, measured in the same run).
-DECODE_SHAPES = [(1, 8192), (1, 65536), (8, 8192), (32, 8192)]
+# given as a fraction of the GPU's copy bandwidth (a device-to-device copy, measured in the same run). The rows
+# with more queries (speculative decoding, chunked prefill; every query sees every key) run the tiled kernels.
+DECODE_SHAPES = [(1, 8192, 1), (1, 65536, 1), (8, 8192, 1), (32, 8192, 1), (8, 8192, 16), (1, 8192, 512)]
 DECODE_HEADS, DECODE_HEAD_DIM, DECODE_PAGES = 32, 128, (16, 256)
 # Per-call latency: the wall time of one call in a loop of back-to-back calls, host and GPU together (the timer
 # synchronises at each end of a block of calls), causal fp16, (batch, seqlen, heads, head_dim) and whether the call
@@ -536,13 +537,13 @@ def run_decode(args) -> list[list[str]]:
     backends["efficient"] = SDPBackend.EFFICIENT_ATTENTION
     copy_gbs = _copy_bandwidth(args)
     rows = [
-        ["batch x keys", "cuteflash us", *(f"{b} us" for b in backends), "x best SDPA", "cache GB/s", "of copy"]
-        + [f"paged {p} us" for p in DECODE_PAGES]
+        ["batch x queries x keys", "cuteflash us", *(f"{b} us" for b in backends), "x best SDPA"]
+        + ["cache GB/s", "of copy", *(f"paged {p} us" for p in DECODE_PAGES)]
     ]
     heads, d = DECODE_HEADS, DECODE_HEAD_DIM
-    for batch, keys in DECODE_SHAPES:
+    for batch, keys, queries in DECODE_SHAPES:
         dev = dict(device="cuda", dtype=torch.float16)
-        q = torch.randn(batch, 1, heads, d, **dev)
+        q = torch.randn(batch, queries, heads, d, **dev)
         k_cache, v_cache = (torch.randn(batch, keys, heads, d, **dev) for _ in range(2))
         seqlens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
         ours = _time_ms([partial(flash_attn_with_kvcache, q, k_cache, v_cache, cache_seqlens=seqlens)], args.repeats)
@@ -569,7 +570,7 @@ def run_decode(args) -> list[list[str]]:
         best = min((t for t in sdpa.values() if t), default=None)
         gbs = 2 * batch * keys * heads * d * 2 / ours / 1e6
         rows.append(
-            [f"{batch} x {keys}", f"{ours * 1e3:.1f}"]
+            [f"{batch} x {queries} x {keys}", f"{ours * 1e3:.1f}"]
             + [f"{sdpa[n] * 1e3:.1f}" if sdpa.get(n) else "-" for n in backends]
             + [f"{best / ours:.2f}x" if best else "-", f"{gbs:.0f}", f"{gbs / copy_gbs:.0%}"]
             + [f"{t * 1e3:.1f}" for t in paged]
@@ -937,7 +938,7 @@ def main(argv=None) -> int:
         for dtype in args.dtype or (["fp16", "bf16"] if bf16_ok else ["fp16"]):
             options += run_options(args, dtype)
     if decode_runs:
-        title = f"Decoding: flash_attn_with_kvcache, 1 query, {DECODE_HEADS} heads of {DECODE_HEAD_DIM}, fp16"
+        title = f"Decoding: flash_attn_with_kvcache, {DECODE_HEADS} heads of {DECODE_HEAD_DIM}, fp16, no mask"
         print("\n" + format_rows(title, run_decode(args)))
     if results:
         print_tables(results)
