@@ -323,8 +323,8 @@ void fwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
     return;
   }
   fill_cache(p, cache);
+  require(p.block_table == nullptr || p.rng_state == nullptr, "dropout with a paged cache is not implemented");
   if (num_splits == 0) {
-    require(p.block_table == nullptr, "a paged cache is read by the decoding kernel only (fwd_plan)");
     FwdFn launch = require_kernel(find_fwd, family, "forward", DType(dtype_code), head_dim);
     launch(p, reinterpret_cast<cudaStream_t>(stream));
     return;

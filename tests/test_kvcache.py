@@ -201,16 +201,50 @@ def test_options(seqlen_q, window, softcap, alibi, require_head_dim, assert_clos
     assert_close_2x("out", out, out_ref, out_pt)
 
 
-@pytest.mark.parametrize("page", [16, 256])
-def test_paged_equals_contiguous(page, require_head_dim):
-    """The decoding kernel reads a paged cache as it reads the same keys contiguous: the same bits."""
+# (seqlen_q, nheads, nheads_k, page size, leftpad): one query row runs the decoding kernel; 40 rows of 4 query heads
+# per key-value head, the tiled kernels, whose threads read runs of consecutive rows that leftpad sets across pages.
+PAGED_CASES = [
+    (1, 8, 8, 16, False),
+    (1, 8, 8, 256, False),
+    (40, 8, 2, 16, False),
+    (40, 8, 2, 48, True),
+    (40, 8, 2, 256, True),
+    (130, 4, 4, 16, True),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", PAGED_CASES, ids=lambda c: "q{}-h{}/{}-page{}-lp{}".format(*c))
+def test_paged_equals_contiguous(case, causal, require_head_dim):
+    """A kernel reads a paged cache as it reads the same keys contiguous: the same bits, split or not."""
+    seqlen_q, nheads, nheads_k, page, leftpad = case
     require_head_dim(128)
-    q, k_cache, v_cache, cache_seqlens = _decode_inputs(rows=1024)
+    # rows a multiple of each page size, so that both caches have as many rows (which sets the split count)
+    q, k_cache, v_cache, cache_seqlens = _decode_inputs(rows=1536, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k)
+    pad = torch.tensor([5, 203], dtype=torch.int32, device="cuda") if leftpad else None
     pk, pv, table = _paged(k_cache, v_cache, page, torch.Generator().manual_seed(1))
     for splits in (1, 0):
-        want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits)
-        got = flash_attn_with_kvcache(q, pk, pv, cache_seqlens=cache_seqlens, block_table=table, num_splits=splits)
-        assert torch.equal(got, want)
+        args = dict(cache_seqlens=cache_seqlens, cache_leftpad=pad, causal=causal, num_splits=splits)
+        want = flash_attn_with_kvcache(q, k_cache, v_cache, **args)
+        got = flash_attn_with_kvcache(q, pk, pv, block_table=table, **args)
+        assert torch.equal(got, want), f"num_splits={splits}"
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 40])
+def test_pages_outside_the_cache_read_as_zeros(seqlen_q, require_head_dim):
+    """block_table entries below 0 or past the pages are never read: their rows are keys and values of zeros."""
+    require_head_dim(128)
+    q, k_cache, v_cache, cache_seqlens = _decode_inputs(rows=1024, seqlen_q=seqlen_q, nheads=8, nheads_k=2)
+    page = 16
+    pk, pv, table = _paged(k_cache, v_cache, page, torch.Generator().manual_seed(3))
+    table[0, 3], table[1, 0], table[1, 40] = -1, pk.shape[0], 2**31 - 1
+    for b, index in ((0, 3), (1, 0), (1, 40)):
+        k_cache[b, index * page : (index + 1) * page] = 0
+        v_cache[b, index * page : (index + 1) * page] = 0
+    want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens)
+    got = flash_attn_with_kvcache(q, pk, pv, cache_seqlens=cache_seqlens, block_table=table)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
 
 
 def test_varlen_with_block_table(require_head_dim, assert_close_2x):

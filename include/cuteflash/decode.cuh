@@ -76,25 +76,6 @@ __device__ __forceinline__ void unpack8(uint4 const& x, float (&f)[8]) {
   for (int e = 0; e < 8; ++e) f[e] = float(a[e]);
 }
 
-// Where key `key` of the sequence lies in k and v: the batch (or page) and row, and whether it is read (a key at or
-// past key_hi is not, nor is a page outside the cache: they read as zeros). page_shift: log2(page_size) where that
-// is a power of two, else -1. The block table is read only for keys below key_hi, within the table's row.
-struct KeyRow {
-  int batch;
-  int row;
-  bool ok;
-};
-
-__device__ __forceinline__ KeyRow key_row(FwdParams const& p, Sequence const& seq, int key, int key_hi,
-                                          int page_shift) {
-  const int row = seq.k_row0 + key;
-  if (key >= key_hi) return {seq.k_batch, 0, false};
-  if (p.block_table == nullptr) return {seq.k_batch, row, true};
-  const int index = page_shift >= 0 ? row >> page_shift : row / p.page_size;
-  const int page = load_offset(p.block_table + seq.batch * p.block_table_stride + index);
-  return {page, page_shift >= 0 ? row & (p.page_size - 1) : row - index * p.page_size, page >= 0 && page < p.num_pages};
-}
-
 // The 16 bytes at column col of row r of head head_k of operand t (k or v).
 template <typename Element>
 __device__ __forceinline__ Element const* chunk_ptr(Operand const& t, KeyRow const& r, int head_k, int col) {
@@ -182,7 +163,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
       }
     }
   }
-  const int page_shift = (p.page_size & (p.page_size - 1)) == 0 ? __ffs(p.page_size) - 1 : -1;
+  const int page_shift = log2_page_size(p);
 
   // This split's chunks of the keys that some row sees.
   const int key_lo = mask.key_begin(0), key_hi = mask.key_end(seq.seqlen_q - 1);

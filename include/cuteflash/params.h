@@ -92,9 +92,10 @@ struct FwdParams {
   int const* kv_batch_idx;
   int kv_batch;
   int kv_rows;
-  // A paged cache (decoding kernel only): k and v are (num_pages, page_size, nheads_k, head_dim), their operands'
-  // batch stride that of a page; key row r of sequence b is row r % page_size of page
-  // block_table[b * block_table_stride + r / page_size] (pages outside [0, num_pages) read as zeros).
+  // A paged cache (the decoding kernel, and the forward kernels launch.h's for_paging picks): k and v are
+  // (num_pages, page_size, nheads_k, head_dim), their operands' batch stride that of a page; key row r of sequence
+  // b is row r % page_size of page block_table[b * block_table_stride + r / page_size] (pages outside
+  // [0, num_pages) read as zeros). No dropout with it.
   int const* block_table;
   int64_t block_table_stride;
   int page_size;

@@ -66,6 +66,47 @@ __device__ __forceinline__ void cache_rows(FwdParams const& p, int batch, Sequen
   if (p.kv_batch_idx != nullptr) seq.k_batch = min(max(load_offset(p.kv_batch_idx + batch), 0), p.kv_batch - 1);
 }
 
+// log2(p.page_size) where that is a power of two, else -1 (key_row then divides).
+__device__ __forceinline__ int log2_page_size(FwdParams const& p) {
+  return (p.page_size & (p.page_size - 1)) == 0 ? __ffs(p.page_size) - 1 : -1;
+}
+
+// Where key `key` of sequence seq lies in k and v: the batch (or page) and row, and whether it is read (a key at or
+// past key_hi is not, nor is a page outside the cache: they read as zeros). page_shift: log2_page_size(p). The block
+// table is read only for keys below key_hi, within the table's row.
+struct KeyRow {
+  int batch;
+  int row;
+  bool ok;
+};
+
+__device__ __forceinline__ KeyRow key_row(FwdParams const& p, Sequence const& seq, int key, int key_hi,
+                                          int page_shift) {
+  const int row = seq.k_row0 + key;
+  if (key >= key_hi) return {seq.k_batch, 0, false};
+  if (p.block_table == nullptr) return {seq.k_batch, row, true};
+  const int index = page_shift >= 0 ? row >> page_shift : row / p.page_size;
+  const int page = load_offset(p.block_table + seq.batch * p.block_table_stride + index);
+  return {page, page_shift >= 0 ? row & (p.page_size - 1) : row - index * p.page_size, page >= 0 && page < p.num_pages};
+}
+
+// The page of key `key` of sequence seq in a paged cache, from the block table (page_shift: log2_page_size);
+// -1, without reading the table, for a key at or past seq.seqlen_k.
+__device__ __forceinline__ int key_page(FwdParams const& p, Sequence const& seq, int key, int page_shift) {
+  const KeyRow k = key_row(p, seq, key, seq.seqlen_k, page_shift);
+  return key < seq.seqlen_k ? k.batch : -1;
+}
+
+// Key `key` of head `head` of operand t (k or v) of a paged cache, on page `page` (key_page); null where that is
+// outside the cache (also for -1).
+template <typename Element>
+__device__ __forceinline__ Element const* paged_key(FwdParams const& p, Sequence const& seq, Operand const& t, int head,
+                                                    int key, int page, int page_shift) {
+  const int row = seq.k_row0 + key;
+  const int in_page = page_shift >= 0 ? row & (p.page_size - 1) : row % p.page_size;
+  return unsigned(page) < unsigned(p.num_pages) ? t.at<Element const>(page, head, in_page) : nullptr;
+}
+
 // The sequence of batch index `batch` for a kernel of variant V.
 template <Variant V>
 __device__ __forceinline__ Sequence sequence(FwdParams const& p, int batch) {

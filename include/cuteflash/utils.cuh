@@ -148,6 +148,31 @@ __device__ __forceinline__ void copy_tile_bounded(TiledCopy const& tiled_copy, S
   }
 }
 
+// copy_tile_bounded for a tile whose rows lie anywhere in memory (a paged cache): row_at(m, r) points to the first
+// element of the tile's row r, the thread's m-th, or is null for a row that is not read. Chunks of those rows,
+// and from column max_cols on, are skipped, or zero-filled in `dst` when `kZeroFill`. thr: tiled_copy's slice of
+// this thread.
+template <bool kZeroFill, int kRows, int kCols, typename TiledCopy, typename ThrCopy, typename RowAt,
+          typename DstTensor, typename CoordTensor>
+__device__ __forceinline__ void copy_rows_bounded(TiledCopy const& tiled_copy, ThrCopy const& thr, RowAt const& row_at,
+                                                  DstTensor&& dst, CoordTensor const& coord, int max_cols) {
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(dst); ++m) {
+    auto const* row = row_at(m, get<0>(coord(0, m, 0)));
+    // The thread's chunks of a tile all of whose rows are this one.
+    Tensor src = thr.partition_S(
+        make_tensor(make_gmem_ptr(row), make_layout(Shape<Int<kRows>, Int<kCols>>{}, make_stride(_0{}, _1{}))));
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(dst); ++k) {
+      if (row != nullptr && get<1>(coord(0, m, k)) < max_cols) {
+        copy(tiled_copy, src(_, m, k), dst(_, m, k));
+      } else if constexpr (kZeroFill) {
+        clear(dst(_, m, k));
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ void cp_async_commit() { cute::cp_async_fence(); }
 
 template <int N>

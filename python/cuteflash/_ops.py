@@ -230,17 +230,6 @@ def cache_rows(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
     return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
 
 
-def _gather_pages(cache: Cache, k: torch.Tensor, v: torch.Tensor) -> tuple[Cache, torch.Tensor, torch.Tensor]:
-    """A paged cache as a contiguous one, (batch, max_pages * page_size, nheads_k, d) per sequence, for the tiled
-    kernels (which read contiguous caches; the decoding kernel reads pages in place). Pages outside the cache read
-    as zeros, as in the decoding kernel."""
-    table = cache.block_table.long()
-    valid = (table >= 0) & (table < k.shape[0])
-    index = table.clamp(0, k.shape[0] - 1)
-    k, v = (torch.where(valid[..., None, None, None], t[index], 0).flatten(1, 2) for t in (k, v))
-    return cache._replace(batch_idx=None, block_table=None), k, v
-
-
 def _no_keys(q: torch.Tensor, k: torch.Tensor, varlen: Varlen | None) -> bool:
     """Whether no query can see a key (nor a kernel point at k's memory): k has no rows, or no batch."""
     return k.shape[-3] == 0 or (varlen is None and k.shape[0] == 0)
@@ -288,11 +277,8 @@ def fwd_impl(
         options.dropout_p > 0,
         num_splits,
     )
-    cache_arg, accum = None, None
-    if cache is not None:
-        if cache.block_table is not None and splits == 0:
-            cache, k, v = _gather_pages(cache, k, v)
-        cache_arg = _cache_arg(cache, k)
+    cache_arg = None if cache is None else _cache_arg(cache, k)
+    accum = None
     if splits > 1:  # o_accum, then lse_accum (o_accum_floats keeps it 16-byte aligned)
         accum = torch.empty(o_accum_floats + lse_accum_floats, dtype=torch.float32, device=q.device)
     problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options, sizes, seqlen_k)

@@ -23,7 +23,7 @@ namespace cuteflash::sm70 {
 using namespace cute;
 
 // Query block m_block of one (sequence, head).
-template <typename Traits, Variant V>
+template <typename Traits, Variant V, bool kPaged>
 __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& seq, int head, int m_block) {
   using namespace nvcuda;
   using Element = typename Traits::Element;
@@ -108,17 +108,42 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   // K and V of the next block are loaded into registers while this block is computed (Volta has no
   // cp.async): K(n + 1) during the softmax, V(n + 1) during P V(n). Each is stored to shared memory
   // after the barrier that frees its buffer, so the loop keeps two barriers per block.
-  auto kv_regs = Traits::CopyKV::make_regs();
-  auto keys_left = [&](int n_block) { return seq.seqlen_k - n_block * kBlockN; };
+  // kPaged: k and v are a paged cache. `pages` holds the pages of the thread's rows of the next block (key_page),
+  // looked up a block ahead, so that the loads wait for no read of the block table.
+  using CopyKV = typename Traits::CopyKV;
+  auto kv_regs = CopyKV::make_regs();
+  int pages[CopyKV::kRowsPerThread];
+  auto look_up_pages = [&](int n_block) {
+    CUTE_UNROLL
+    for (int m = 0; m < CopyKV::kRowsPerThread; ++m) {
+      const int key = n_block * kBlockN + CopyKV::row(tid, m);
+      pages[m] = tid < CopyKV::kThreads ? key_page(p, seq, key, log2_page_size(p)) : -1;
+    }
+  };
+  auto load_kv = [&](auto const& rows, Operand const& t, int n_block) {
+    if constexpr (kPaged) {
+      auto row_at = [&](int m, int r) {
+        return paged_key<Element>(p, seq, t, head_k, n_block * kBlockN + r, pages[m], log2_page_size(p));
+      };
+      CopyKV::load_rows(row_at, kv_regs, p.head_dim, tid);
+    } else {
+      CopyKV::load(rows.block(n_block), kv_regs, seq.seqlen_k - n_block * kBlockN, p.head_dim, tid);
+    }
+  };
   if (!keys.empty()) {
-    Traits::CopyKV::copy(gK.block(keys.begin), sK, keys_left(keys.begin), p.head_dim, tid);
-    Traits::CopyKV::load(gV.block(keys.begin), kv_regs, keys_left(keys.begin), p.head_dim, tid);
+    if constexpr (kPaged) look_up_pages(keys.begin);
+    load_kv(gK, p.k, keys.begin);
+    CopyKV::store(kv_regs, sK, tid);
+    load_kv(gV, p.v, keys.begin);
   }
 
   for (int n_block = keys.begin; n_block < keys.end; ++n_block) {
     const bool has_next = n_block + 1 < keys.end;
+    if constexpr (kPaged) {
+      if (has_next) look_up_pages(n_block + 1);
+    }
     __syncthreads();  // K(n) is in sK; no warp still reads sV
-    Traits::CopyKV::store(kv_regs, sV, tid);
+    CopyKV::store(kv_regs, sV, tid);
 
     // S = Q K^T into this warp's scratch.
     {
@@ -153,7 +178,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     }
     // K(n + 1) into the registers that held V(n): loaded after S's products, which give the stores of
     // V(n) the time to read them (loads issued right after those stores would wait for them).
-    if (has_next) Traits::CopyKV::load(gK.block(n_block + 1), kv_regs, keys_left(n_block + 1), p.head_dim, tid);
+    if (has_next) load_kv(gK, p.k, n_block + 1);
     __syncwarp();
 
     // Online softmax of my row's part of the block: new max, rescale factor, P as hi / lo, row sum.
@@ -240,7 +265,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     m = m_new;
     if (my_half == 0) alpha_rows[my_row] = alpha;
     __syncthreads();  // V(n) is in sV; no warp still reads sK
-    if (has_next) Traits::CopyKV::store(kv_regs, sK, tid);
+    if (has_next) CopyKV::store(kv_regs, sK, tid);
 
     // O *= alpha by rows, then O += hi' V + lo V.
     if (rescale) {
@@ -257,7 +282,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
       }
     }
     // V(n + 1), after O's rescale (the stores of K(n + 1) read the registers meanwhile).
-    if (has_next) Traits::CopyKV::load(gV.block(n_block + 1), kv_regs, keys_left(n_block + 1), p.head_dim, tid);
+    if (has_next) load_kv(gV, p.v, n_block + 1);
     auto const* sv = reinterpret_cast<__half const*>(smem.v.data());
     CUTE_UNROLL
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -311,11 +336,11 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 }
 
 // One thread block per query block of each (sequence, head) (sequence.cuh), the heaviest causal blocks first.
-template <typename Traits, Variant V>
+template <typename Traits, Variant V, bool kPaged>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_kernel(const FwdParams p) {
   for_each_tile<V>(
       p, gridDim.x - 1 - blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
-      [&](Sequence const& seq, int m_block) { fwd_block<Traits, V>(p, seq, blockIdx.y, m_block); });
+      [&](Sequence const& seq, int m_block) { fwd_block<Traits, V, kPaged>(p, seq, blockIdx.y, m_block); });
 }
 
 }  // namespace cuteflash::sm70

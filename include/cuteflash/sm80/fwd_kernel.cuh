@@ -99,8 +99,84 @@ __device__ void store_empty_block(SmemO& sO, GmemO& gO, float* lse, FwdParams co
   for (int row = int(tid); row < min(rows_left, Traits::kBlockM); row += Traits::kNThreads) lse[row] = INFINITY;
 }
 
+// A paged cache's key tiles, in the kernels that read one (kPaged): each thread copies kRowsPerThread
+// consecutive rows of a tile, which span at most two consecutive entries of the block table (a page holds 16
+// rows or more). With GmemTiledCopyQKV's rows, kNThreads / kGmemThreadsPerRow apart, a thread would look up and
+// keep a page for each of its rows, which spills in the loop at head dim 128.
+template <typename Traits>
+struct PagedTiles {
+  static constexpr int kThreadsPerRow = Traits::kGmemThreadsPerRow;
+  static constexpr int kRowsPerThread = Traits::kBlockN * kThreadsPerRow / Traits::kNThreads;
+  static_assert(kRowsPerThread >= 1 && kRowsPerThread <= 16, "a thread's rows must lie on at most two pages");
+
+  // The calling thread's pages in one tile: where its first row is, and where the rows run on past that page's
+  // end (-1 where not read). Looked up a step before the copies that use them, so that these wait for no load.
+  struct Pages {
+    int a = -1;
+    int b = -1;
+  };
+
+  // The first key of the thread's rows in the tile of keys from key0 on.
+  __device__ static int first_key(int key0, int tid) { return key0 + tid / kThreadsPerRow * kRowsPerThread; }
+
+  __device__ static Pages lookup(FwdParams const& p, Sequence const& seq, int key0, int tid) {
+    const int key = first_key(key0, tid);
+    const int rows = min(kRowsPerThread, seq.seqlen_k - key);  // the rows to read (none if <= 0)
+    const int row = seq.k_row0 + key;
+    const int page_shift = log2_page_size(p);
+    const int index = page_shift >= 0 ? row >> page_shift : row / p.page_size;
+    int const* table = p.block_table + seq.batch * p.block_table_stride + index;
+    Pages pages;
+    if (rows > 0) pages.a = load_offset(table);
+    if (row - index * p.page_size + rows > p.page_size) pages.b = load_offset(table + 1);
+    return pages;
+  }
+
+  // Keys [key0, key0 + kBlockN) of head head_k of operand t (k or v) into the shared tile s (kBlockN,
+  // kHeadDim) with cp.async; zeros past seq.seqlen_k and head_dim and on pages outside the cache.
+  template <typename Element, typename SmemTile>
+  __device__ static void copy(FwdParams const& p, Sequence const& seq, Operand const& t, int head_k, int key0,
+                              Pages const& pages, SmemTile& s, int tid) {
+    constexpr int kElems = Traits::kGmemElemsPerCopy;
+    const int key = first_key(key0, tid);
+    const int row0 = key - key0;
+    const int page_shift = log2_page_size(p);
+    const int row = seq.k_row0 + key;
+    const int in_page = page_shift >= 0 ? row & (p.page_size - 1) : row % p.page_size;  // the first row's place
+    // Row m is at row_a + m r on page a, at row_b + m r past its end (r: the row stride).
+    Element const* row_a = t.at<Element const>(pages.a, head_k, in_page);
+    Element const* row_b = t.at<Element const>(pages.b, head_k, in_page - p.page_size);
+    // The thread writes the same 16-byte chunk of each of its rows in shared memory, at offset u of the
+    // unswizzled layout, and so copies into it the column that the swizzle puts there: u's column plus
+    // swizzle(u) - u. Writing a fixed column instead, the destinations of consecutive rows would differ by a
+    // swizzle (an XOR), computed anew for each row and, at head dim 128, spilled.
+    auto const swizzle = s.layout().layout_a();
+    auto const plain = s.layout().layout_b();  // rows are plain(1, 0) apart, column blocks kCols
+    constexpr int kCols = kThreadsPerRow * kElems;
+    const int u0 = plain(row0, tid % kThreadsPerRow * kElems);
+    Element* smem = raw_pointer_cast(s.data());
+    CUTE_UNROLL
+    for (int m = 0; m < kRowsPerThread; ++m) {
+      const bool on_a = in_page + m < p.page_size;
+      const int page = on_a ? pages.a : pages.b;
+      const bool ok = key + m < seq.seqlen_k && unsigned(page) < unsigned(p.num_pages);
+      const int u = u0 + m * plain(1, 0);
+      const int col0 = tid % kThreadsPerRow * kElems + int(swizzle(u)) - u;  // the same in each column block
+      // A row not read points into the cache's first row, whose head dim elements exist (its copies read nothing).
+      Element const* src = ok ? (on_a ? row_a : row_b) + m * int(t.row_stride) + col0  // below 2^24 (api.cpp)
+                              : static_cast<Element const*>(t.ptr);
+      CUTE_UNROLL
+      for (int k = 0; k < Traits::kHeadDim / kCols; ++k) {
+        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<uint128_t const*>(src + k * kCols),
+                                                         *reinterpret_cast<uint128_t*>(smem + u + plain(0, k * kCols)),
+                                                         ok && col0 + k * kCols < p.head_dim);
+      }
+    }
+  }
+};
+
 // Query block m_block of one (sequence, head).
-template <typename Traits, Variant V>
+template <typename Traits, Variant V, bool kPaged>
 __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& seq, int head, int m_block) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -148,10 +224,18 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   // Every key block but the last is full, so it loads without bounds checks when the head dim fills
-  // the tile (5 % faster on H200).
-  auto load_kv = [&](auto const& rows, auto& tDst, int n_block) {
+  // the tile (5 % faster on H200). kPaged: k and v are a paged cache, read through the block table: `pages` are
+  // this thread's pages of the block being computed, `next_pages` those of the next one down, looked up while
+  // the block's products run. The copies take the thread's index read anew (thread()), so that the offsets they
+  // derive from it are recomputed at each copy rather than held through the loop, which spilled them.
+  using Paged = PagedTiles<Traits>;
+  typename Paged::Pages pages, next_pages;
+  auto load_kv = [&](auto const& rows, Operand const& t, auto& sDst, auto& tDst, int n_block,
+                     typename Paged::Pages const& block_pages) {
     Tensor tSrc = gmem_thr.partition_S(rows.block(n_block));  // (CPY, CPY_N, CPY_K)
-    if (n_block < keys.end - 1 && p.head_dim == kHeadDim) {
+    if constexpr (kPaged) {
+      Paged::template copy<Element>(p, seq, t, head_k, n_block * kBlockN, block_pages, sDst, thread());
+    } else if (n_block < keys.end - 1 && p.head_dim == kHeadDim) {
       copy(gmem_copy, tSrc, tDst);
     } else {
       copy_tile_bounded<true>(gmem_copy, tSrc, tDst, tKVcKV, seq.seqlen_k - n_block * kBlockN, p.head_dim);
@@ -161,7 +245,8 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 
   int n_block = keys.end - 1;
   copy_tile_bounded<true>(gmem_copy, tQgQ, tQsQ, tQcQ, rows_left, p.head_dim);
-  load_kv(gK, tKsK, n_block);
+  if constexpr (kPaged) pages = Paged::lookup(p, seq, n_block * kBlockN, tid);
+  load_kv(gK, p.k, sK, tKsK, n_block, pages);
 
   // ---- MMA operands and the shared-memory -> register copies that feed them.
   typename Traits::TiledMma tiled_mma;
@@ -196,7 +281,10 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     clear(acc_s);
     cp_async_wait<0>();
     __syncthreads();  // K[n_block] is in sK, and no warp still reads sV
-    load_kv(gV, tVsV, n_block);
+    load_kv(gV, p.v, sV, tVsV, n_block, pages);
+    if constexpr (kPaged) {
+      if (n_block > keys.begin) next_pages = Paged::lookup(p, seq, (n_block - 1) * kBlockN, tid);
+    }
 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_thr_q, smem_copy_k, smem_thr_k);
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
@@ -212,7 +300,8 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 
     cp_async_wait<0>();
     __syncthreads();  // V[n_block] is in sV, and no warp still reads sK
-    if (n_block > keys.begin) load_kv(gK, tKsK, n_block - 1);
+    if (n_block > keys.begin) load_kv(gK, p.k, sK, tKsK, n_block - 1, next_pages);
+    if constexpr (kPaged) pages = next_pages;
 
     if constexpr (kSoftcapInSoftmax) {
       softmax.update(s, acc_o_rc, p.softmax_scale_log2, Softcap{p.softcap});
@@ -256,11 +345,11 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 
 // One thread block per query block of each (sequence, head) (sequence.cuh): the heaviest causal blocks (most
 // keys) are scheduled first, so that the grid's tail is light.
-template <typename Traits, Variant V>
+template <typename Traits, Variant V, bool kPaged>
 __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams p) {
   for_each_tile<V>(
       p, gridDim.x - 1 - blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
-      [&](Sequence const& seq, int m_block) { fwd_block<Traits, V>(p, seq, blockIdx.y, m_block); });
+      [&](Sequence const& seq, int m_block) { fwd_block<Traits, V, kPaged>(p, seq, blockIdx.y, m_block); });
 }
 
 }  // namespace cuteflash::sm80

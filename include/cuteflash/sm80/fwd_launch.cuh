@@ -13,7 +13,10 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
     using Traits = decltype(traits);
     dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
     for_variant(p, [&](auto variant) {
-      launch(&fwd_kernel<Traits, variant()>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p, "sm80 forward");
+      for_paging<variant()>(p, [&](auto paged) {
+        launch(&fwd_kernel<Traits, variant(), paged()>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p,
+               "sm80 forward");
+      });
     });
   };
   // The large- and small-shared-memory tiles are the same type below head dim 224; the causal tile
