@@ -12,10 +12,10 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
   auto launch_one = [&](auto traits) {
     using Traits = decltype(traits);
     dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
-    for_variant(p, [&](auto variant) {
-      for_paging<variant()>(p, [&](auto paged) {
-        launch(&fwd_kernel<Traits, variant(), paged()>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, p,
-               "sm80 forward");
+    for_variant(p, [&](auto variant) {  // decltype(...)::value: CUDA 11.8 cannot use variant() in the inner lambda
+      for_paging<decltype(variant)::value>(p, [&](auto paged) {
+        launch(&fwd_kernel<Traits, decltype(variant)::value, decltype(paged)::value>, grid, Traits::kNThreads,
+               Traits::kSmemBytes, stream, p, "sm80 forward");
       });
     });
   };
