@@ -76,7 +76,7 @@ void for_variant(FwdParams const& p, LaunchFor const& launch_for) {
 
 // Calls launch_for(std::bool_constant<kPaged>{}) for a forward kernel of variant V: kPaged when p's KV cache is
 // paged. Kernels read pages only in the variants that take a paged cache (kGeneral, kSoftcap: no dropout), and
-// only in kernels of their own: the page lookups in the key loop, even where never run, slowed the kernels that
+// only in kernels of their own: the page lookups in the key loop, even where never run, slow the kernels that
 // read no pages by 4-15 % (the options' forward at head dim 128 on an H100).
 template <Variant V, typename LaunchFor>
 void for_paging(FwdParams const& p, LaunchFor const& launch_for) {

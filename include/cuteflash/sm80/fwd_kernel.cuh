@@ -227,7 +227,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   // the tile (5 % faster on H200). kPaged: k and v are a paged cache, read through the block table: `pages` are
   // this thread's pages of the block being computed, `next_pages` those of the next one down, looked up while
   // the block's products run. The copies take the thread's index read anew (thread()), so that the offsets they
-  // derive from it are recomputed at each copy rather than held through the loop, which spilled them.
+  // derive from it are recomputed at each copy rather than held through the loop, which spills them.
   using Paged = PagedTiles<Traits>;
   typename Paged::Pages pages, next_pages;
   auto load_kv = [&](auto const& rows, Operand const& t, auto& sDst, auto& tDst, int n_block,
