@@ -71,6 +71,20 @@ __device__ __forceinline__ int log2_page_size(FwdParams const& p) {
   return (p.page_size & (p.page_size - 1)) == 0 ? __ffs(p.page_size) - 1 : -1;
 }
 
+// Where key `key` of sequence seq lies in a paged cache: its block-table entry (not read here) and its row on that
+// page. page_shift: log2_page_size(p).
+struct PagePlace {
+  int const* entry;
+  int in_page;
+};
+
+__device__ __forceinline__ PagePlace page_place(FwdParams const& p, Sequence const& seq, int key, int page_shift) {
+  const int row = seq.k_row0 + key;
+  const int index = page_shift >= 0 ? row >> page_shift : row / p.page_size;
+  return {p.block_table + seq.batch * p.block_table_stride + index,
+          page_shift >= 0 ? row & (p.page_size - 1) : row - index * p.page_size};
+}
+
 // Where key `key` of sequence seq lies in k and v: the batch (or page) and row, and whether it is read (a key at or
 // past key_hi is not, nor is a page outside the cache: they read as zeros). page_shift: log2_page_size(p). The block
 // table is read only for keys below key_hi, within the table's row.
@@ -82,12 +96,11 @@ struct KeyRow {
 
 __device__ __forceinline__ KeyRow key_row(FwdParams const& p, Sequence const& seq, int key, int key_hi,
                                           int page_shift) {
-  const int row = seq.k_row0 + key;
   if (key >= key_hi) return {seq.k_batch, 0, false};
-  if (p.block_table == nullptr) return {seq.k_batch, row, true};
-  const int index = page_shift >= 0 ? row >> page_shift : row / p.page_size;
-  const int page = load_offset(p.block_table + seq.batch * p.block_table_stride + index);
-  return {page, page_shift >= 0 ? row & (p.page_size - 1) : row - index * p.page_size, page >= 0 && page < p.num_pages};
+  if (p.block_table == nullptr) return {seq.k_batch, seq.k_row0 + key, true};
+  const PagePlace at = page_place(p, seq, key, page_shift);
+  const int page = load_offset(at.entry);
+  return {page, at.in_page, page >= 0 && page < p.num_pages};
 }
 
 // The page of key `key` of sequence seq in a paged cache, from the block table (page_shift: log2_page_size);
@@ -102,8 +115,7 @@ __device__ __forceinline__ int key_page(FwdParams const& p, Sequence const& seq,
 template <typename Element>
 __device__ __forceinline__ Element const* paged_key(FwdParams const& p, Sequence const& seq, Operand const& t, int head,
                                                     int key, int page, int page_shift) {
-  const int row = seq.k_row0 + key;
-  const int in_page = page_shift >= 0 ? row & (p.page_size - 1) : row % p.page_size;
+  const int in_page = page_place(p, seq, key, page_shift).in_page;
   return unsigned(page) < unsigned(p.num_pages) ? t.at<Element const>(page, head, in_page) : nullptr;
 }
 

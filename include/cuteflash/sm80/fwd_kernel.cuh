@@ -122,13 +122,10 @@ struct PagedTiles {
   __device__ static Pages lookup(FwdParams const& p, Sequence const& seq, int key0, int tid) {
     const int key = first_key(key0, tid);
     const int rows = min(kRowsPerThread, seq.seqlen_k - key);  // the rows to read (none if <= 0)
-    const int row = seq.k_row0 + key;
-    const int page_shift = log2_page_size(p);
-    const int index = page_shift >= 0 ? row >> page_shift : row / p.page_size;
-    int const* table = p.block_table + seq.batch * p.block_table_stride + index;
+    const PagePlace at = page_place(p, seq, key, log2_page_size(p));
     Pages pages;
-    if (rows > 0) pages.a = load_offset(table);
-    if (row - index * p.page_size + rows > p.page_size) pages.b = load_offset(table + 1);
+    if (rows > 0) pages.a = load_offset(at.entry);
+    if (at.in_page + rows > p.page_size) pages.b = load_offset(at.entry + 1);
     return pages;
   }
 
@@ -140,9 +137,7 @@ struct PagedTiles {
     constexpr int kElems = Traits::kGmemElemsPerCopy;
     const int key = first_key(key0, tid);
     const int row0 = key - key0;
-    const int page_shift = log2_page_size(p);
-    const int row = seq.k_row0 + key;
-    const int in_page = page_shift >= 0 ? row & (p.page_size - 1) : row % p.page_size;  // the first row's place
+    const int in_page = page_place(p, seq, key, log2_page_size(p)).in_page;  // the first row's place
     // Row m is at row_a + m r on page a, at row_b + m r past its end (r: the row stride).
     Element const* row_a = t.at<Element const>(pages.a, head_k, in_page);
     Element const* row_b = t.at<Element const>(pages.b, head_k, in_page - p.page_size);
