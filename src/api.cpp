@@ -239,7 +239,7 @@ bool decode_fits(int seqlen_q, int nheads, int nheads_k, bool varlen, bool dropo
 }
 
 // The decoding kernel's split count: num_splits where the caller asks for some (capped by the chunks of keys and
-// kDecodeMaxSplits), else enough blocks to fill the current device once: four per SM for a single query row, three
+// kMaxSplits), else enough blocks to fill the current device once: four per SM for a single query row, three
 // for 8 rows on tensor cores, two beside the registers of 8 rows on CUDA cores, fewer where the shared memory holds
 // fewer.
 int decode_split_count(Family family, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim,
@@ -257,9 +257,9 @@ int decode_split_count(Family family, int batch, int nheads, int nheads_k, int s
     const int per_sm = std::max(std::min(fill, device.smem_per_sm / block_smem), 1);
     // Rounded down: a few blocks more than fit at once would take a second wave.
     const int64_t blocks = std::max<int64_t>(int64_t(batch) * nheads_k, 1);
-    splits = int(std::min<int64_t>(per_sm * int64_t(device.sms) / blocks, kDecodeMaxSplits));
+    splits = int(std::min<int64_t>(per_sm * int64_t(device.sms) / blocks, kMaxSplits));
   }
-  return std::clamp(splits, 1, std::min(chunks, kDecodeMaxSplits));
+  return std::clamp(splits, 1, std::min(chunks, kMaxSplits));
 }
 
 // Throws unless the family's code in this module runs on the current device. The answer is kept per device (the
@@ -289,21 +289,48 @@ auto require_kernel(Find find, Family family, char const* direction, DType dtype
   return launch;
 }
 
-// How a forward pass of these sizes runs: with the decoding kernel in `splits` splits of the keys (0: the tiled
-// kernels), which need o_accum_floats and lse_accum_floats of fp32 workspace (params.h) where splits > 1.
+// The tiled kernels' split count for a KV-cache call (a fixed-length batch): num_splits where the caller asks for
+// some, else, where the blocks of the query tiles (batch x heads x tiles) fill less than the current device once,
+// enough splits to fill it once (rounded down), each of at least kTiledMinKeysPerSplit keys. A device runs two
+// blocks of 4 warps per SM at once where their shared memory fits (the registers allow no more), one of 8.
+int tiled_split_count(Family family, int batch, int nheads, int seqlen_q, int seqlen_k, int head_dim, int num_splits) {
+  const int kernel_head_dim = round_up_head_dim(head_dim);
+  const TileConfig tile =
+      family == Family::kSm80 ? sm80_fwd_tile(kernel_head_dim, false) : sm70_fwd_tile_choice(kernel_head_dim, 0);
+  const int key_blocks = std::max((seqlen_k + tile.block_n - 1) / tile.block_n, 1);
+  int splits = num_splits;
+  if (splits <= 0) {
+    const DeviceLimits& device = device_limits();
+    const int block_smem = tile.smem_bytes_fwd(kernel_head_dim, 2) + 1024;  // + the driver's
+    const int per_sm = std::max(std::min(tile.n_warps == 4 ? 2 : 1, device.smem_per_sm / block_smem), 1);
+    const int64_t blocks = int64_t(batch) * nheads * ((seqlen_q + tile.block_m - 1) / tile.block_m);
+    splits = int(std::min<int64_t>(per_sm * int64_t(device.sms) / std::max<int64_t>(blocks, 1), kMaxSplits));
+    splits = std::min(splits, seqlen_k / kTiledMinKeysPerSplit);
+  }
+  return std::clamp(splits, 1, std::min(key_blocks, kMaxSplits));
+}
+
+// How a forward pass of these sizes runs: (decode, splits, o_accum_floats, lse_accum_floats): with the decoding
+// kernel or the tiled kernels, in `splits` splits of the keys, which need o_accum_floats and lse_accum_floats of
+// fp32 workspace (params.h) where splits > 1. The tiled kernels split the keys of KV-cache calls (cache) only.
 // seqlen_k: the keys of a sequence, or their bound (a cache's rows). num_splits: flash-attn's (0: choose).
-std::tuple<int, int64_t, int64_t> fwd_plan(std::string const& family_name, int batch, int nheads, int nheads_k,
-                                           int seqlen_q, int seqlen_k, int head_dim, bool varlen, bool dropout,
-                                           int num_splits) {
+std::tuple<bool, int, int64_t, int64_t> fwd_plan(std::string const& family_name, int batch, int nheads, int nheads_k,
+                                                 int seqlen_q, int seqlen_k, int head_dim, bool varlen, bool dropout,
+                                                 bool cache, int num_splits) {
   require(nheads_k >= 1 && nheads % nheads_k == 0, "nheads must be a multiple of nheads_k");
   require(round_up_head_dim(head_dim) > 0, "head_dim must be at most 256");
-  int splits = 0;
-  if (decode_fits(seqlen_q, nheads, nheads_k, varlen, dropout) && batch > 0 && seqlen_q > 0) {
-    splits = decode_split_count(parse_family(family_name), batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
-                                num_splits);
+  const Family family = parse_family(family_name);
+  const bool decode = decode_fits(seqlen_q, nheads, nheads_k, varlen, dropout);
+  int splits = 1;
+  if (batch > 0 && seqlen_q > 0) {
+    if (decode) {
+      splits = decode_split_count(family, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim, num_splits);
+    } else if (cache && !varlen && !dropout) {
+      splits = tiled_split_count(family, batch, nheads, seqlen_q, seqlen_k, head_dim, num_splits);
+    }
   }
   const int64_t rows = splits > 1 ? int64_t(splits) * batch * nheads * seqlen_q : 0;
-  return {splits, rows * round_up_head_dim(head_dim), rows};
+  return {decode, splits, rows * round_up_head_dim(head_dim), rows};
 }
 
 void fwd(std::string const& family_name, int dtype_code, Operand const& q, Operand const& k, Operand const& v,
@@ -311,7 +338,7 @@ void fwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
          int head_dim, float softmax_scale, bool causal, bool fp16_correction, uintptr_t stream, uintptr_t cu_seqlens_q,
          uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k, int window_left, int window_right, float softcap,
          uintptr_t alibi_slopes, int alibi_batch_stride, double dropout_p, uintptr_t rng_state,
-         std::optional<Cache> const& cache_arg, int num_splits, uintptr_t o_accum, uintptr_t lse_accum,
+         std::optional<Cache> const& cache_arg, bool decode, int num_splits, uintptr_t o_accum, uintptr_t lse_accum,
          int64_t accum_floats) {
   const Cache cache = cache_arg.value_or(Cache{});
   const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
@@ -324,14 +351,13 @@ void fwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
   }
   fill_cache(p, cache);
   require(p.block_table == nullptr || p.rng_state == nullptr, "dropout with a paged cache is not implemented");
-  if (num_splits == 0) {
-    FwdFn launch = require_kernel(find_fwd, family, "forward", DType(dtype_code), head_dim);
-    launch(p, reinterpret_cast<cudaStream_t>(stream));
-    return;
-  }
-  require(decode_fits(seqlen_q, nheads, nheads_k, varlen.on(), p.rng_state != nullptr) &&
-              num_splits <= kDecodeMaxSplits && num_splits > 0,
-          "num_splits > 0 asks for the decoding kernel, which does not compute this call (fwd_plan)");
+  require(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits must be in [1, 128] (fwd_plan)");
+  require(!decode || decode_fits(seqlen_q, nheads, nheads_k, varlen.on(), p.rng_state != nullptr),
+          "the decoding kernel does not compute this call (fwd_plan)");
+  // The tiled kernels split the keys where their variant serves caches (sequence.cuh): KV-cache calls, whose
+  // batches have fixed lengths.
+  require(decode || num_splits == 1 || (p.seqused_k != nullptr && !varlen.on() && p.rng_state == nullptr),
+          "the tiled kernels split the keys of KV-cache calls only (fwd_plan)");
   p.num_splits = num_splits;
   if (num_splits > 1) {
     const int64_t rows = int64_t(num_splits) * batch * nheads * seqlen_q;
@@ -341,7 +367,8 @@ void fwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
     p.o_accum = reinterpret_cast<float*>(o_accum);
     p.lse_accum = reinterpret_cast<float*>(lse_accum);
   }
-  FwdFn launch = require_kernel(find_decode, family, "decoding", DType(dtype_code), head_dim);
+  FwdFn launch = decode ? require_kernel(find_decode, family, "decoding", DType(dtype_code), head_dim)
+                        : require_kernel(find_fwd, family, "forward", DType(dtype_code), head_dim);
   launch(p, reinterpret_cast<cudaStream_t>(stream));
 }
 
@@ -539,13 +566,14 @@ void def_launcher(py::module_& m, char const* name, Func func, Own&&... own) {
 // signatures (keyword arguments cost the call a few microseconds).
 PYBIND11_MODULE(_C, m) {
   m.doc() = "cuteflash kernels; call them through cuteflash.flash_attn_func, not directly";
-  def_launcher(m, "fwd", &cuteflash::fwd, py::arg("cache") = py::none(), py::arg("num_splits") = 0,
-               py::arg("o_accum") = 0, py::arg("lse_accum") = 0, py::arg("accum_floats") = 0);
+  def_launcher(m, "fwd", &cuteflash::fwd, py::arg("cache") = py::none(), py::arg("decode") = false,
+               py::arg("num_splits") = 1, py::arg("o_accum") = 0, py::arg("lse_accum") = 0,
+               py::arg("accum_floats") = 0);
   m.def("fwd_plan", &cuteflash::fwd_plan, py::arg("family"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
         py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("varlen"), py::arg("dropout"),
-        py::arg("num_splits"),
-        "(splits, o_accum_floats, lse_accum_floats): whether the decoding kernel computes a forward pass, in how "
-        "many splits, and its workspace in floats.");
+        py::arg("cache"), py::arg("num_splits"),
+        "(decode, splits, o_accum_floats, lse_accum_floats): whether the decoding kernel (else the tiled ones) "
+        "computes a forward pass, in how many splits of the keys, and their workspace in floats.");
   m.def("append_kv", &cuteflash::append_kv, py::arg("family"), py::arg("k"), py::arg("v"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("batch"), py::arg("seqlen_new"), py::arg("nheads_k"), py::arg("head_dim"),
         py::arg("cache"), py::arg("stream"),

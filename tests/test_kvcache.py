@@ -145,6 +145,47 @@ def test_every_split_count(nheads_k, require_head_dim, assert_close_2x):
         assert torch.equal(out, again), f"num_splits={splits}: two runs differ"
 
 
+# The tiled kernels (more than 8 query rows per key-value head) split the keys of a KV-cache call as well: 200 query
+# rows make two query tiles, the last partial; sequences of 1024, 37 and 0 keys leave some splits with no key of some
+# row, or of any; a window leaves whole splits outside some rows' windows.
+@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize(
+    "window,softcap,alibi", [((-1, -1), 0.0, False), ((100, 3), 15.0, True), ((-1, -1), 20.0, False)]
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiled_split_counts(causal, window, softcap, alibi, page, require_head_dim, assert_close_2x):
+    """Each split count of the tiled kernels gives the reference's out and lse (2x rule), the same bits on a second
+    run, and over a paged cache the same bits as over the contiguous one."""
+    require_head_dim(128)
+    batch, rows, seqlen_q, nheads, nheads_k = 3, 1024, 200, 8, 2
+    dev = dict(device="cuda", dtype=torch.float16)
+    q = torch.randn(batch, seqlen_q, nheads, 128, **dev)
+    k_cache, v_cache = (torch.randn(batch, rows, nheads_k, 128, **dev) for _ in range(2))
+    cache_seqlens = torch.tensor([rows, 37, 0], dtype=torch.int32, device="cuda")
+    slopes = torch.rand(nheads, device="cuda") * 0.3 if alibi else None
+    args = (cache_seqlens, None, causal, window, softcap, slopes)
+    out_ref, lse_ref = _reference(q, k_cache, v_cache, *args, torch.float64)
+    out_pt, _ = _reference(q, k_cache, v_cache, *args, torch.float16)
+    options = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes, return_softmax_lse=True)
+    if page is not None:
+        pk, pv, table = _paged(k_cache, v_cache, page, torch.Generator().manual_seed(4))
+    for splits in (0, 1, 2, 3, 7, 16, 128):
+        out, lse = flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits, **options
+        )
+        assert_close_2x(f"num_splits={splits}", out, out_ref, out_pt)
+        assert torch.allclose(lse, lse_ref.float(), rtol=1e-3, atol=1e-3), f"num_splits={splits}: lse"
+        again, _ = flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits, **options
+        )
+        assert torch.equal(out, again), f"num_splits={splits}: two runs differ"
+        if page is not None:
+            got, got_lse = flash_attn_with_kvcache(
+                q, pk, pv, cache_seqlens=cache_seqlens, block_table=table, num_splits=splits, **options
+            )
+            assert torch.equal(got, out) and torch.equal(got_lse, lse), f"num_splits={splits}: paged"
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("seqlen_q", [1, 3, 24])

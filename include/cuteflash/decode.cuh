@@ -21,6 +21,7 @@
 
 #include "cuteflash/launch.h"
 #include "cuteflash/mask.cuh"
+#include "cuteflash/split_merge.cuh"
 #include "cuteflash/tile_config.h"
 #include "cuteflash/utils.cuh"
 
@@ -446,55 +447,13 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
       *reinterpret_cast<cutlass::Array<Element, 8>*>(p.o.at<Element>(seq.batch, head, seq.q_row0 + i) + c) = out;
       if (c == 0) p.lse[seq.stats(p, head) + i] = l > 0.f ? lse : INFINITY;
     } else {
-      const int64_t row = ((int64_t(split) * p.batch + seq.batch) * p.nheads + head) * p.seqlen_q + i;
+      const int64_t row = split_row(p, split, seq.batch, head, i);
       float* dst = p.o_accum + row * kHeadDim + c;
       *reinterpret_cast<float4*>(dst) = make_float4(o[0], o[1], o[2], o[3]);
       *reinterpret_cast<float4*>(dst + 4) = make_float4(o[4], o[5], o[6], o[7]);
       if (c == 0) p.lse_accum[row] = lse;
     }
   }
-}
-
-// Merges the splits of the decoding kernel: a warp per (sequence, head, query row), lane j with columns 8j..8j+7.
-// O = sum_s exp(lse_s - lse) O_s with lse = log sum_s exp(lse_s); a row no split saw gets O = 0 and lse = +inf.
-template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(128) combine_splits_kernel(const FwdParams p) {
-  const int64_t rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
-  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
-  const int i = int(row % p.seqlen_q), head = int(row / p.seqlen_q % p.nheads),
-            batch = int(row / p.seqlen_q / p.nheads);
-  float max_lse = -INFINITY;
-  for (int s = lane; s < p.num_splits; s += 32) max_lse = fmaxf(max_lse, p.lse_accum[s * rows + row]);
-  CUTE_UNROLL
-  for (int o = 16; o >= 1; o /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffff, max_lse, o));
-  float sum = 0.f;
-  if (max_lse != -INFINITY) {
-    for (int s = lane; s < p.num_splits; s += 32) sum += __expf(p.lse_accum[s * rows + row] - max_lse);
-  }
-  CUTE_UNROLL
-  for (int o = 16; o >= 1; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
-  const float lse = max_lse == -INFINITY ? INFINITY : max_lse + __logf(sum);
-  const int col = lane * 8;
-  if (col < p.head_dim) {
-    float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (max_lse != -INFINITY) {
-#pragma unroll 8  // the splits' loads in flight together
-      for (int s = 0; s < p.num_splits; ++s) {
-        const float w = __expf(p.lse_accum[s * rows + row] - lse);  // 0 for a split that saw nothing
-        float const* src = p.o_accum + (s * rows + row) * kHeadDim + col;
-        const float4 a = *reinterpret_cast<float4 const*>(src), b = *reinterpret_cast<float4 const*>(src + 4);
-        o[0] += w * a.x, o[1] += w * a.y, o[2] += w * a.z, o[3] += w * a.w;
-        o[4] += w * b.x, o[5] += w * b.y, o[6] += w * b.z, o[7] += w * b.w;
-      }
-    }
-    cutlass::Array<Element, 8> out;
-    CUTE_UNROLL
-    for (int e = 0; e < 8; ++e) out[e] = Element(o[e]);
-    *reinterpret_cast<cutlass::Array<Element, 8>*>(p.o.at<Element>(batch, head, i) + col) = out;
-  }
-  if (lane == 0) p.lse[int64_t(batch) * p.stats_batch_stride + int64_t(head) * p.stats_head_stride + i] = lse;
 }
 
 // Host side: the decoding kernel for p (seqlen_q x group <= kDecodeMaxRows, a fixed-length batch), then the merge
@@ -511,10 +470,7 @@ void run_decode(FwdParams const& p, cudaStream_t stream) {
   } else {
     run(DecodeTraits<Element, kHeadDim, kDecodeMaxRows, kAsync>{});
   }
-  if (p.num_splits > 1) {
-    const int64_t rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
-    launch(&combine_splits_kernel<Element, kHeadDim>, dim3(unsigned((rows + 3) / 4)), 128, 0, stream, p, "split merge");
-  }
+  if (p.num_splits > 1) merge_splits<Element, kHeadDim>(p, stream);
 }
 
 }  // namespace cuteflash

@@ -75,18 +75,24 @@ void for_variant(FwdParams const& p, LaunchFor const& launch_for) {
 }
 
 // Calls launch_for(std::bool_constant<kPaged>{}) for a forward kernel of variant V: kPaged when p's KV cache is
-// paged. Kernels read pages only in the variants that take a paged cache (kGeneral, kSoftcap: no dropout), and
-// only in kernels of their own: the page lookups in the key loop, even where never run, slow the kernels that
-// read no pages by 4-15 % (the options' forward at head dim 128 on an H100).
+// paged. Kernels read pages only in the variants that serve caches (sequence.cuh), and only in kernels of their
+// own: the page lookups in the key loop, even where never run, slow the kernels that read no pages by 4-15 % (the
+// options' forward at head dim 128 on an H100).
 template <Variant V, typename LaunchFor>
 void for_paging(FwdParams const& p, LaunchFor const& launch_for) {
-  if constexpr (V == Variant::kGeneral || V == Variant::kSoftcap) {
+  if constexpr (serves_caches(V)) {
     if (p.block_table != nullptr) {
       launch_for(std::true_type{});
       return;
     }
   }
   launch_for(std::false_type{});
+}
+
+// The grid of a forward kernel with query tiles of block_m rows: a block per tile, head and sequence, times
+// p.num_splits where the kernel splits the keys (for_each_fwd_tile).
+inline dim3 fwd_grid(FwdParams const& p, int block_m) {
+  return dim3(unsigned(ceil_div(p.seqlen_q, block_m) * std::max(p.num_splits, 1)), p.nheads, p.batch);
 }
 
 template <typename Params>

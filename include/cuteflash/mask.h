@@ -22,6 +22,15 @@ struct BlockRange {
   // the sm80 forward kernel than end <= 0.
   CUTEFLASH_HOST_DEVICE bool empty() const { return begin == end; }
   CUTEFLASH_HOST_DEVICE bool masked(int block) const { return block < unmasked_begin || block >= unmasked_end; }
+
+  // Part `part` of `parts` runs of equal length (the last shorter, some past the end empty), with the same masks.
+  CUTEFLASH_HOST_DEVICE BlockRange split(int part, int parts) const {
+    const int per = (end - begin + parts - 1) / parts;
+    BlockRange r = *this;
+    r.begin = begin + part * per < end ? begin + part * per : end;
+    r.end = r.begin + per < end ? r.begin + per : end;
+    return r;
+  }
 };
 
 // Query row i (0 <= i < seqlen_q) sees key j (0 <= j < seqlen_k) when

@@ -25,6 +25,10 @@ enum class Variant { kFixed, kVarlen, kGeneral, kSoftcap, kDropout };
 // kDropout).
 constexpr bool has_options(Variant v) { return v != Variant::kFixed && v != Variant::kVarlen; }
 
+// Whether forward kernels of variant v serve KV-cache calls (flash_attn_with_kvcache): read paged caches and
+// split the keys (params.h). Those calls set no dropout.
+constexpr bool serves_caches(Variant v) { return v == Variant::kGeneral || v == Variant::kSoftcap; }
+
 struct Sequence {
   int batch;
   int seqlen_q;
@@ -152,6 +156,25 @@ __device__ __forceinline__ void for_each_tile(FwdParams const& p, int first, Til
       body(seq, tile);
     }
   }
+}
+
+// Whether a forward kernel of variant V splits the keys of p (params.h): its grid then has p.num_splits blocks per
+// query tile (a fixed-length batch), and block x computes split x % num_splits (key_split) of tile x / num_splits.
+template <Variant V>
+__device__ __forceinline__ bool splits_keys(FwdParams const& p) {
+  return serves_caches(V) && p.num_splits > 1;
+}
+
+// The split of the keys that the calling block computes, where splits_keys: recomputed where used, rather than held
+// in a register through the key loop.
+__device__ __forceinline__ int key_split(FwdParams const& p) { return int(blockIdx.x) % p.num_splits; }
+
+// for_each_tile for a forward kernel (splits_keys: blocks num_splits apart take one tile), taking the tiles from the
+// last, the heaviest causal ones, so that the grid's tail is light.
+template <Variant V, typename Tiles, typename Body>
+__device__ __forceinline__ void for_each_fwd_tile(FwdParams const& p, Tiles const& tiles, Body const& body) {
+  const int per_tile = splits_keys<V>(p) ? p.num_splits : 1;  // > 1: a fixed-length batch, body called once
+  for_each_tile<V>(p, int(gridDim.x - 1 - blockIdx.x) / per_tile, tiles, body);
 }
 
 }  // namespace cuteflash

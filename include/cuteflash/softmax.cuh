@@ -81,7 +81,9 @@ struct OnlineSoftmax {
       float sum = quad_allreduce(l[mi], SumOp{});
       bool empty = sum == 0.f;  // a NaN sum (from NaN inputs) propagates to O and lse
       float inv = empty ? 0.f : 1.f / sum;
-      lse[mi] = empty ? INFINITY : m[mi] * softmax_scale + logf(sum);
+      // One fused multiply-add, written out: left to the compiler, kernels that differ elsewhere (reading a paged
+      // cache or not) contract it differently, and a split pass's merge weighs O by it (split_merge.cuh).
+      lse[mi] = empty ? INFINITY : fmaf(m[mi], softmax_scale, logf(sum));
       CUTE_UNROLL
       for (int oi = 0; oi < size<1>(acc_o); ++oi) acc_o(mi, oi) *= inv;
     }

@@ -176,9 +176,12 @@ constexpr int decode_smem_bytes(int head_dim, int rows, bool async) {
   const int o_part = 4 * rows * head_dim * 4;
   return (ring > o_part ? ring : o_part) + rows * decode_chunk(head_dim, rows, async) * 4 + (12 * rows + 15) / 16 * 16;
 }
-// The most query rows per key-value head that the decoding kernel serves (seqlen_q x the GQA group), and the most
-// splits of the keys it makes.
+// The most query rows per key-value head that the decoding kernel serves (seqlen_q x the GQA group).
 constexpr int kDecodeMaxRows = 8;
-constexpr int kDecodeMaxSplits = 128;
+// The most splits of the keys a forward pass makes (the decoding kernel, and the tiled kernels for KV caches), and
+// the fewest keys per split that the tiled kernels choose: fewer would cost more in Q's load and O's fp32 part per
+// split than their keys.
+constexpr int kMaxSplits = 128;
+constexpr int kTiledMinKeysPerSplit = 256;
 
 }  // namespace cuteflash

@@ -248,7 +248,8 @@ def fwd_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on unpacked q, k, v: returns out (like q) and the fp32 log-sum-exp (_lse_shape). With a
     cache, k and v are the caches (read in place: the caller checks their layout). num_splits: flash-attn's
-    (0: chosen from the GPU's size; 1: none), for the calls the decoding kernel computes."""
+    (0: chosen from the GPU's size; 1: none), for KV-cache calls (the decoding kernel splits flash_attn_func's
+    decoding shapes too)."""
     family = select_family(q.device)
     if family == "sm70" and q.dtype == torch.bfloat16:
         raise TypeError("bfloat16 needs an sm80 GPU (compute capability 8.0+); use float16 on this GPU")
@@ -263,7 +264,7 @@ def fwd_impl(
     nheads_k, head_dim = k.shape[-2:]
     sizes = batch, seqlen_q, nheads = _sizes(q, varlen)
     C = compiled_module()
-    splits, o_accum_floats, lse_accum_floats = _launch(
+    decode, splits, o_accum_floats, lse_accum_floats = _launch(
         q.device,
         C.fwd_plan,
         family,
@@ -275,6 +276,7 @@ def fwd_impl(
         head_dim,
         varlen is not None,
         options.dropout_p > 0,
+        cache is not None,
         num_splits,
     )
     cache_arg = None if cache is None else _cache_arg(cache, k)
@@ -284,7 +286,7 @@ def fwd_impl(
     problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options, sizes, seqlen_k)
     o_accum = 0 if accum is None else accum.data_ptr()
     lse_accum = 0 if accum is None else o_accum + 4 * o_accum_floats
-    _launch(q.device, C.fwd, *problem, cache_arg, splits, o_accum, lse_accum, o_accum_floats)
+    _launch(q.device, C.fwd, *problem, cache_arg, decode, splits, o_accum, lse_accum, o_accum_floats)
     return out, lse
 
 

@@ -662,10 +662,11 @@ def flash_attn_with_kvcache(
 
     The masks are flash_attn_func's, with seqlen_k each sequence's number of keys (cache_seqlens[b] + seqlen_new,
     less cache_leftpad[b]): causal aligns the diagonal to the last key. When a handful of query rows share a
-    key/value head (seqlen_q x nheads / nheads_k <= 8, as in decoding), a kernel built for reading the cache runs
-    and splits the keys across thread blocks when the batch and heads alone would leave the GPU idle; the splits'
-    results are merged by their log-sum-exp, in a fixed order (the result does not depend on timing). No host
-    synchronisation and launch shapes that depend on sizes only: the call can be captured in a CUDA graph.
+    key/value head (seqlen_q x nheads / nheads_k <= 8, as in decoding), a kernel built for reading the cache runs;
+    more rows run the tiled kernels of flash_attn_func. Either splits the keys across thread blocks when the batch,
+    heads (and query tiles) alone would leave the GPU idle; the splits' results are merged by their log-sum-exp, in
+    a fixed order (the result does not depend on timing). No host synchronisation and launch shapes that depend on
+    sizes only: the call can be captured in a CUDA graph.
 
     Arguments:
         q: (batch_size, seqlen_q, nheads, headdim), float16 or bfloat16; headdim a multiple of 8, at most 256.
@@ -683,9 +684,8 @@ def flash_attn_with_kvcache(
             the sequence is row r % page_block_size of page block_table[b, r // page_block_size]. A page index out
             of range reads as zeros and is not written.
         softmax_scale, causal, window_size, softcap, alibi_slopes: as flash_attn_func.
-        num_splits: int. 0 picks the number of key splits of the decoding kernel from the GPU's SM count; 1 turns
-            splitting off; n > 1 asks for n (at most 128, and no more than the keys allow). The tiled kernels
-            that compute larger seqlen_q do not split.
+        num_splits: int. 0 picks the number of key splits from the GPU's SM count; 1 turns splitting off; n > 1
+            asks for n (at most 128, and no more than the keys allow).
         return_softmax_lse: bool. Also return the log-sum-exp (batch_size, nheads, seqlen_q), float32.
     Return:
         out: (batch_size, seqlen_q, nheads, headdim), and softmax_lse if return_softmax_lse. No backward pass.

@@ -514,14 +514,12 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
   const int row0 = n_block * kBlockN + key_tiles.row * 16;
   key_tiles.for_each([&](int i, int col0) {
     if (has_dk) {
-      store_tile_fp16(acc_dk[i], p.softmax_scale * exp2f_int(-ds_exp), stage,
-                      dk + int64_t(row0) * p.dk.row_stride + col0, p.dk.row_stride, seq.seqlen_k - row0,
-                      p.head_dim - col0);
+      store_tile(acc_dk[i], p.softmax_scale * exp2f_int(-ds_exp), stage, dk + int64_t(row0) * p.dk.row_stride + col0,
+                 p.dk.row_stride, seq.seqlen_k - row0, p.head_dim - col0);
     }
     if (has_dv) {
-      store_tile_fp16(acc_dv[i], (V == Variant::kDropout ? p.dropout_scale : 1.f) / p_scale(p), stage,
-                      dv + int64_t(row0) * p.dv.row_stride + col0, p.dv.row_stride, seq.seqlen_k - row0,
-                      p.head_dim - col0);
+      store_tile(acc_dv[i], (V == Variant::kDropout ? p.dropout_scale : 1.f) / p_scale(p), stage,
+                 dv + int64_t(row0) * p.dv.row_stride + col0, p.dv.row_stride, seq.seqlen_k - row0, p.head_dim - col0);
     }
   });
 }
@@ -611,8 +609,8 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
   auto* dq = p.dq.at<half_t>(seq.batch, head, seq.q_row0);
   const int row0 = m_block * kBlockM + query_tiles.row * 16;
   query_tiles.for_each([&](int i, int col0) {
-    store_tile_fp16(acc_dq[i], p.softmax_scale * exp2f_int(-ds_exp), stage, dq + int64_t(row0) * p.dq.row_stride + col0,
-                    p.dq.row_stride, seq.seqlen_q - row0, p.head_dim - col0);
+    store_tile(acc_dq[i], p.softmax_scale * exp2f_int(-ds_exp), stage, dq + int64_t(row0) * p.dq.row_stride + col0,
+               p.dq.row_stride, seq.seqlen_q - row0, p.head_dim - col0);
   });
 }
 

@@ -16,13 +16,14 @@
 #include "cuteflash/dropout.cuh"
 #include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
+#include "cuteflash/split_merge.cuh"
 #include "cuteflash/sm70/traits.h"
 
 namespace cuteflash::sm70 {
 
 using namespace cute;
 
-// Query block m_block of one (sequence, head).
+// Query block m_block of one (sequence, head); where the keys are split (splits_keys), split key_split(p) of them.
 template <typename Traits, Variant V, bool kPaged>
 __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& seq, int head, int m_block) {
   using namespace nvcuda;
@@ -72,8 +73,10 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   Traits::CopyQ::copy(gQ.block(m_block), sQ, rows_left, p.head_dim, tid);
 
   // Key blocks [keys.begin, keys.end), masked from keys.unmasked_end on and, where a window bounds the rows on
-  // the left (has_options), below keys.unmasked_begin. My row sees keys [key_first, key_limit).
-  const BlockRange keys = mask_policy<V>(p, seq).template key_blocks<kBlockM, kBlockN>(m_block);
+  // the left (has_options), below keys.unmasked_begin; split keys: this split's part of them. My row sees keys
+  // [key_first, key_limit).
+  BlockRange keys = mask_policy<V>(p, seq).template key_blocks<kBlockM, kBlockN>(m_block);
+  if (splits_keys<V>(p)) keys = keys.split(key_split(p), p.num_splits);
   const int key_limit = mask_policy<V>(p, seq).key_end(q_row);
   const int key_first = mask_policy<V>(p, seq).key_begin(q_row);  // 0 but with has_options(V)
 
@@ -310,36 +313,43 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   if constexpr (kLanesPerRow == 2) l += __shfl_xor_sync(0xffffffff, l, 16);
 
   // ---- Epilogue: O = O / l by rows (both in units of 2^p_shift P), stored through the scratch;
-  // lse = m scale + log(l 2^-p_shift).
-  const bool empty = l == 0.f;  // no visible key: O = 0, lse = +inf (as the sm80 kernel)
+  // lse = m scale + log(l 2^-p_shift). Split keys: in fp32 to o_accum and lse_accum (split_merge.cuh).
+  const bool empty = l == 0.f;  // no visible key: O = 0, lse = +inf (as the sm80 kernel; -inf for a split)
   if (my_half == 0) alpha_rows[my_row] = empty ? 0.f : (V == Variant::kDropout ? p.dropout_scale : 1.f) / l;
   __syncwarp();
-  auto* out = p.o.at<Element>(seq.batch, head, seq.q_row0);
-  CUTE_UNROLL
-  for (int t = 0; t < kRowTiles; ++t) {
-    float inv_of[kFragElems];
+  auto store_o = [&](auto* out, int64_t row_stride) {  // out: the block's first row
     CUTE_UNROLL
-    for (int i = 0; i < kFragElems; ++i) inv_of[i] = alpha_rows[t * 16 + row_of[i]];
-    const int row0 = m_block * kBlockM + warp * kWarpRows + t * 16;  // the tile's first query row
-    CUTE_UNROLL
-    for (int j = 0; j < kHeadDim / 16; ++j) {
+    for (int t = 0; t < kRowTiles; ++t) {
+      float inv_of[kFragElems];
       CUTE_UNROLL
-      for (int i = 0; i < kFragElems; ++i) acc_o[t][j].x[i] *= inv_of[i];
-      store_tile_fp16(acc_o[t][j], 1.f, scratch, out + int64_t(row0) * p.o.row_stride + j * 16, p.o.row_stride,
-                      seq.seqlen_q - row0, p.head_dim - j * 16);
+      for (int i = 0; i < kFragElems; ++i) inv_of[i] = alpha_rows[t * 16 + row_of[i]];
+      const int row0 = warp * kWarpRows + t * 16;  // the tile's first row in the block
+      CUTE_UNROLL
+      for (int j = 0; j < kHeadDim / 16; ++j) {
+        CUTE_UNROLL
+        for (int i = 0; i < kFragElems; ++i) acc_o[t][j].x[i] *= inv_of[i];
+        store_tile(acc_o[t][j], 1.f, scratch, out + row0 * row_stride + j * 16, row_stride, rows_left - row0,
+                   p.head_dim - j * 16);
+      }
     }
-  }
-  if (my_half == 0 && q_row < seq.seqlen_q) {
-    p.lse[seq.stats(p, head) + q_row] =
-        empty ? INFINITY : m * p.softmax_scale + logf(l) - p_shift * 0.6931471805599453f;
+  };
+  const float lse = m * p.softmax_scale + logf(l) - p_shift * 0.6931471805599453f;
+  if (splits_keys<V>(p)) {
+    const int64_t at = split_row(p, key_split(p), seq.batch, head, m_block * kBlockM);  // the block's first row
+    store_o(p.o_accum + at * kHeadDim, kHeadDim);
+    if (my_half == 0 && q_row < seq.seqlen_q) p.lse_accum[at + row_in_block] = empty ? -INFINITY : lse;
+  } else {
+    store_o(p.o.at<Element>(seq.batch, head, seq.q_row0 + m_block * kBlockM), p.o.row_stride);
+    if (my_half == 0 && q_row < seq.seqlen_q) p.lse[seq.stats(p, head) + q_row] = empty ? INFINITY : lse;
   }
 }
 
-// One thread block per query block of each (sequence, head) (sequence.cuh), the heaviest causal blocks first.
+// One thread block per query block of each (sequence, head) and split of the keys (sequence.cuh's
+// for_each_fwd_tile, the heaviest causal blocks first).
 template <typename Traits, Variant V, bool kPaged>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_kernel(const FwdParams p) {
-  for_each_tile<V>(
-      p, gridDim.x - 1 - blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
+  for_each_fwd_tile<V>(
+      p, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
       [&](Sequence const& seq, int m_block) { fwd_block<Traits, V, kPaged>(p, seq, blockIdx.y, m_block); });
 }
 

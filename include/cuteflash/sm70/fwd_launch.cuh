@@ -6,6 +6,7 @@
 
 #include "cuteflash/sm70/launch.h"
 #include "cuteflash/sm70/fwd_kernel.cuh"
+#include "cuteflash/split_merge.cuh"
 
 namespace cuteflash::sm70 {
 
@@ -14,7 +15,7 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
   static_assert(std::is_same_v<Element, cutlass::half_t>, "the sm70 family computes in fp16");
   auto launch_one = [&](auto traits) {
     using Traits = decltype(traits);
-    dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
+    const dim3 grid = fwd_grid(p, Traits::kBlockM);
     for_variant(p, [&](auto variant) {  // decltype(...)::value: CUDA 11.8 cannot use variant() in the inner lambda
       for_paging<decltype(variant)::value>(p, [&](auto paged) {
         launch(&fwd_kernel<Traits, decltype(variant)::value, decltype(paged)::value>, grid, Traits::kNThreads,
@@ -23,6 +24,7 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
     });
   };
   launch_tile_choices<FwdTraitsChoice, kHeadDim>(launch_one, "sm70 forward");
+  if (p.num_splits > 1) merge_splits<Element, kHeadDim>(p, stream);
 }
 
 }  // namespace cuteflash::sm70

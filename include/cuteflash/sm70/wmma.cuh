@@ -129,19 +129,21 @@ __device__ __forceinline__ void mma_row_tiles_split(FragAcc (&acc)[Tiles::kCount
   }
 }
 
-// Writes acc * scale (a 16x16 fp32 tile) as fp16 to out, a row-major global matrix, through the warp's
-// shared staging tile: rows below rows_valid, columns below cols_valid (a multiple of 8).
-__device__ __forceinline__ void store_tile_fp16(FragAcc const& acc, float scale, float* stage, half_t* out,
-                                                int64_t row_stride, int rows_valid, int cols_valid) {
+// Writes acc * scale (a 16x16 fp32 tile) as Out (half_t, or float) to out, a row-major global matrix, through the
+// warp's shared staging tile: rows below rows_valid, columns below cols_valid (a multiple of 8).
+template <typename Out>
+__device__ __forceinline__ void store_tile(FragAcc const& acc, float scale, float* stage, Out* out, int64_t row_stride,
+                                           int rows_valid, int cols_valid) {
   const int lane = threadIdx.x % 32;
   nvcuda::wmma::store_matrix_sync(stage, acc, 16, nvcuda::wmma::mem_row_major);
   __syncwarp();
   const int r = lane / 2, c0 = (lane % 2) * 8;
   if (r < rows_valid && c0 < cols_valid) {
-    cutlass::Array<half_t, 8> packed;
+    using Packed = cutlass::AlignedArray<Out, 8, 16>;
+    Packed packed;
     CUTE_UNROLL
-    for (int c = 0; c < 8; ++c) packed[c] = half_t(stage[r * 16 + c0 + c] * scale);
-    *reinterpret_cast<cutlass::Array<half_t, 8>*>(out + r * row_stride + c0) = packed;
+    for (int c = 0; c < 8; ++c) packed[c] = Out(stage[r * 16 + c0 + c] * scale);
+    *reinterpret_cast<Packed*>(out + r * row_stride + c0) = packed;
   }
   __syncwarp();  // the staging tile is free
 }

@@ -12,6 +12,7 @@
 #include "cuteflash/mask.cuh"
 #include "cuteflash/params.h"
 #include "cuteflash/softmax.cuh"
+#include "cuteflash/split_merge.cuh"
 #include "cuteflash/sm80/traits.h"
 #include "cuteflash/utils.cuh"
 
@@ -99,6 +100,48 @@ __device__ void store_empty_block(SmemO& sO, GmemO& gO, float* lse, FwdParams co
   for (int row = int(tid); row < min(rows_left, Traits::kBlockM); row += Traits::kNThreads) lse[row] = INFINITY;
 }
 
+// The end of a split of the keys of a query block (splits_keys): O, divided by the split's row sums, goes to
+// o_accum (split_merge.cuh) in fp32, its log-sum-exp to lse_accum (-inf for a row that saw no key of the split).
+// acc: the accumulators' (rows, cols) view, coord: the (row, col) of each value in the block, row0: the block's
+// first row. kStaged: O goes through the block's shared memory (smem, kRowsTile x kHeadDim floats, free when
+// called), so that each thread stores 16 bytes at a time; else straight from the accumulators, 8 bytes at a time.
+// Which is faster depends on the kernel: each changes the spills of some kernels' key loops (fwd_block).
+template <bool kStaged, int kRowsTile, int kHeadDim, int kNThreads, int kRows, typename AccRowCol, typename CoordRowCol>
+__device__ __forceinline__ void store_partial(FwdParams const& p, Sequence const& seq, int head, int row0,
+                                              AccRowCol const& acc, CoordRowCol const& coord,
+                                              float const (&row_lse)[kRows], int rows_left, float* smem, unsigned tid) {
+  float* dst = p.o_accum + split_row(p, key_split(p), seq.batch, head, row0) * kHeadDim;  // the block's row 0
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    const int row = get<0>(coord(mi, 0));
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(acc); ni += 2) {  // a column pair of mma's accumulator, then the next n8 tile
+      const int col = get<1>(coord(mi, ni));
+      const float2 pair = make_float2(acc(mi, ni), acc(mi, ni + 1));
+      if constexpr (kStaged) {
+        *reinterpret_cast<float2*>(smem + row * kHeadDim + col) = pair;
+      } else if (row < rows_left && col < p.head_dim) {
+        *reinterpret_cast<float2*>(dst + row * kHeadDim + col) = pair;
+      }
+    }
+    if (get<1>(coord(mi, 0)) == 0 && row < rows_left) {
+      p.lse_accum[split_row(p, key_split(p), seq.batch, head, row0 + row)] =
+          row_lse[mi] == INFINITY ? -INFINITY : row_lse[mi];
+    }
+  }
+  if constexpr (kStaged) {
+    __syncthreads();
+    constexpr int kChunks = kHeadDim / 4;  // of 16 bytes, per row
+    CUTE_UNROLL
+    for (int i = int(tid); i < kRowsTile * kChunks; i += kNThreads) {
+      const int row = i / kChunks, col = i % kChunks * 4;
+      if (row < rows_left && col < p.head_dim) {
+        *reinterpret_cast<float4*>(dst + row * kHeadDim + col) = *reinterpret_cast<float4 const*>(smem + i * 4);
+      }
+    }
+  }
+}
+
 // A paged cache's key tiles, in the kernels that read one (kPaged): each thread copies kRowsPerThread
 // consecutive rows of a tile, which span at most two consecutive entries of the block table (a page holds 16
 // rows or more). With GmemTiledCopyQKV's rows, kNThreads / kGmemThreadsPerRow apart, a thread would look up and
@@ -170,7 +213,7 @@ struct PagedTiles {
   }
 };
 
-// Query block m_block of one (sequence, head).
+// Query block m_block of one (sequence, head); where the keys are split (splits_keys), split key_split(p) of them.
 template <typename Traits, Variant V, bool kPaged>
 __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& seq, int head, int m_block) {
   using Element = typename Traits::Element;
@@ -202,10 +245,17 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 
   // The key blocks to visit, downwards: first those from keys.unmasked_end on, which hold keys past seqlen_k or
   // past some row's last key, with a mask; then those without; then, where a window bounds the rows on the
-  // left (has_options), those below keys.unmasked_begin with a mask again.
-  const BlockRange keys = mask_policy<V>(p, seq).template key_blocks<kBlockM, kBlockN>(m_block);
+  // left (has_options), those below keys.unmasked_begin with a mask again. Split keys: this split's part of them.
+  BlockRange keys = mask_policy<V>(p, seq).template key_blocks<kBlockM, kBlockN>(m_block);
+  if (splits_keys<V>(p)) keys = keys.split(key_split(p), p.num_splits);
   if (keys.empty()) {
-    store_empty_block<Traits>(sO, gO, lse, p, rows_left, thread());
+    if (!splits_keys<V>(p)) {
+      store_empty_block<Traits>(sO, gO, lse, p, rows_left, thread());
+    } else {  // no O: the merge reads none where lse is -inf
+      for (int row = tid; row < min(rows_left, kBlockM); row += Traits::kNThreads) {
+        p.lse_accum[split_row(p, key_split(p), seq.batch, head, m_block * kBlockM + row)] = -INFINITY;
+      }
+    }
     return;
   }
 
@@ -327,6 +377,16 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   }
   Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  if (splits_keys<V>(p)) {
+    static_assert(sizeof(typename Traits::SharedStorage) >= kBlockM * kHeadDim * sizeof(float));
+    __syncthreads();  // the whole of the shared memory is free
+    // Staged but in the paged kernels: at head dim 128 (ptxas, sm_90), the other way round grows the spill loads
+    // by a third in the general kernel, which stores straight then, and by three quarters in the paged one.
+    store_partial<!kPaged, kBlockM, kHeadDim, Traits::kNThreads>(p, seq, head, m_block * kBlockM, acc_o_rc, tOcO_rc,
+                                                                 row_lse, rows_left, reinterpret_cast<float*>(smem_raw),
+                                                                 thread());
+    return;
+  }
   if (get<1>(tOcO_rc(0, 0)) == 0) {  // the first thread of each quad writes the quad's rows
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
@@ -338,12 +398,12 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   store_acc_tile<Traits, kBlockM>(acc_o, tiled_mma, smem.o.data(), gO, rows_left, p.head_dim, thread());
 }
 
-// One thread block per query block of each (sequence, head) (sequence.cuh): the heaviest causal blocks (most
-// keys) are scheduled first, so that the grid's tail is light.
+// One thread block per query block of each (sequence, head) and split of the keys (sequence.cuh's
+// for_each_fwd_tile, the heaviest causal blocks first).
 template <typename Traits, Variant V, bool kPaged>
 __global__ void __launch_bounds__(Traits::kNThreads) fwd_kernel(const FwdParams p) {
-  for_each_tile<V>(
-      p, gridDim.x - 1 - blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
+  for_each_fwd_tile<V>(
+      p, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
       [&](Sequence const& seq, int m_block) { fwd_block<Traits, V, kPaged>(p, seq, blockIdx.y, m_block); });
 }
 

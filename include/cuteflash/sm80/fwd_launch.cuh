@@ -11,7 +11,7 @@ template <typename Element, int kHeadDim>
 void run_fwd(FwdParams const& p, cudaStream_t stream) {
   auto launch_one = [&](auto traits) {
     using Traits = decltype(traits);
-    dim3 grid(ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
+    const dim3 grid = fwd_grid(p, Traits::kBlockM);
     for_variant(p, [&](auto variant) {  // decltype(...)::value: CUDA 11.8 cannot use variant() in the inner lambda
       for_paging<decltype(variant)::value>(p, [&](auto paged) {
         launch(&fwd_kernel<Traits, decltype(variant)::value, decltype(paged)::value>, grid, Traits::kNThreads,
@@ -31,6 +31,7 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
   } else {
     launch_for_mask(cute::false_type{});
   }
+  if (p.num_splits > 1) merge_splits<Element, kHeadDim>(p, stream);
 }
 
 }  // namespace cuteflash::sm80
