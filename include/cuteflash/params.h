@@ -101,9 +101,10 @@ struct FwdParams {
   int page_size;
   int num_pages;
 
-  // The decoding kernel's split of the keys (flash-decoding): with num_splits > 1 each split writes its O, divided
-  // by its own row sums, to o_accum (num_splits, batch, nheads, seqlen_q, kernel head dim) and its log-sum-exp to
-  // lse_accum (num_splits, batch, nheads, seqlen_q), fp32; a second kernel merges them into o and lse.
+  // A split of the keys (flash-decoding; the decoding kernel, and the tiled kernels of KV-cache calls: a
+  // fixed-length batch): with num_splits > 1 each split writes its O, divided by its own row sums, to o_accum
+  // (num_splits, batch, nheads, seqlen_q, kernel head dim) and its log-sum-exp to lse_accum (num_splits, batch,
+  // nheads, seqlen_q), fp32; a second kernel merges them into o and lse (split_merge.cuh).
   int num_splits;
   float* o_accum;
   float* lse_accum;
