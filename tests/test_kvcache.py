@@ -131,11 +131,14 @@ def _decode_inputs(batch=2, rows=1000, seqlen_q=1, nheads=8, nheads_k=8, head_di
     return q, k_cache, v_cache, cache_seqlens
 
 
+# 4096 keys make chunks enough for 64 to 128 splits: the merge reads their log-sum-exps two to four per lane, their O
+# in batches of 16.
+@pytest.mark.parametrize("rows", [1000, 4096])
 @pytest.mark.parametrize("nheads_k", [8, 2])
-def test_every_split_count(nheads_k, require_head_dim, assert_close_2x):
+def test_every_split_count(nheads_k, rows, require_head_dim, assert_close_2x):
     """Each split count gives the reference within the 2x rule, and the same bits on a second run."""
     require_head_dim(128)
-    q, k_cache, v_cache, cache_seqlens = _decode_inputs(nheads_k=nheads_k)
+    q, k_cache, v_cache, cache_seqlens = _decode_inputs(rows=rows, nheads_k=nheads_k)
     out_ref, _ = _reference(q, k_cache, v_cache, cache_seqlens, None, False, (-1, -1), 0.0, None, torch.float64)
     out_pt, _ = _reference(q, k_cache, v_cache, cache_seqlens, None, False, (-1, -1), 0.0, None, torch.float16)
     for splits in (0, 1, 2, 3, 7, 16, 128):
@@ -148,19 +151,20 @@ def test_every_split_count(nheads_k, require_head_dim, assert_close_2x):
 # The tiled kernels (more than 8 query rows per key-value head) split the keys of a KV-cache call as well: 200 query
 # rows make two query tiles, the last partial; sequences of 1024, 37 and 0 keys leave some splits with no key of some
 # row, or of any; a window leaves whole splits outside some rows' windows.
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("page", [None, 16])
 @pytest.mark.parametrize(
     "window,softcap,alibi", [((-1, -1), 0.0, False), ((100, 3), 15.0, True), ((-1, -1), 20.0, False)]
 )
 @pytest.mark.parametrize("causal", [False, True])
-def test_tiled_split_counts(causal, window, softcap, alibi, page, require_head_dim, assert_close_2x):
+def test_tiled_split_counts(causal, window, softcap, alibi, page, head_dim, require_head_dim, assert_close_2x):
     """Each split count of the tiled kernels gives the reference's out and lse (2x rule), the same bits on a second
     run, and over a paged cache the same bits as over the contiguous one."""
-    require_head_dim(128)
+    require_head_dim(head_dim)
     batch, rows, seqlen_q, nheads, nheads_k = 3, 1024, 200, 8, 2
     dev = dict(device="cuda", dtype=torch.float16)
-    q = torch.randn(batch, seqlen_q, nheads, 128, **dev)
-    k_cache, v_cache = (torch.randn(batch, rows, nheads_k, 128, **dev) for _ in range(2))
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, **dev)
+    k_cache, v_cache = (torch.randn(batch, rows, nheads_k, head_dim, **dev) for _ in range(2))
     cache_seqlens = torch.tensor([rows, 37, 0], dtype=torch.int32, device="cuda")
     slopes = torch.rand(nheads, device="cuda") * 0.3 if alibi else None
     args = (cache_seqlens, None, causal, window, softcap, slopes)
