@@ -9,10 +9,12 @@
 // chunk, each warp reads its keys (kLanesPerKey lanes per key row, kKeysPerStep rows per load), reduces each row's
 // dot products with the queries across those lanes and writes the scores to shared memory; the warp that owns a
 // query row then updates the row's running max and sum and turns the chunk's scores into probabilities; every warp
-// finally rescales its part of O and adds its keys' P V. At the end the warps' parts of O are summed. For several
-// query rows in the sm80 family (kMma), the two products run on tensor cores instead, from the shared-memory
-// stages: with only 8 rows, the rows are mma's n = 8 and the keys its m = 16 (S^T = K Q^T, O^T = V^T P^T), so no
-// product is padded; on CUDA cores the lanes' reductions cost more than the cache read.
+// finally rescales its part of O and adds its keys' P V. At the end the warps' parts of O are summed. A single
+// query row needs none of that exchange: the lanes of each key slot keep a running max and sum of their own keys,
+// with no barrier in the walk, and the epilogue merges them (kOwnSoftmax). For several query rows in the sm80
+// family (kMma), the two products run on tensor cores instead, from the shared-memory stages: with only 8 rows, the
+// rows are mma's n = 8 and the keys its m = 16 (S^T = K Q^T, O^T = V^T P^T), so no product is padded; on CUDA cores
+// the lanes' reductions cost more than the cache read.
 #pragma once
 
 #include <cute/arch/copy_sm75.hpp>
@@ -52,6 +54,11 @@ struct DecodeTraits {
   static constexpr int kChunk = kWarps * kWarpKeys;  // keys per chunk
   static_assert(kChunk == decode_chunk(kHeadDim, kRows, kAsync_));
   static constexpr int kRowsPerWarp = ceil_div(kRows, kWarps);  // the query rows whose statistics a warp owns
+  // For a single query row, each key slot of a warp (the kLanesPerKey lanes of one key of a load) keeps the running
+  // max and sum of its own keys: the walk needs no barrier, no shared memory besides its own stages, and no warp
+  // waits for another's softmax. The epilogue merges the slots' and then the warps' statistics.
+  static constexpr bool kOwnSoftmax = kRows == 1;
+  static constexpr int kStatRows = kOwnSoftmax ? kWarps : kRows;  // the statistics in shared memory at the end
   // Shared memory (dynamic, all of it): the async stages, [stage][K, V][step][thread] 16 bytes, each lane's own,
   // which after the walk hold the warps' parts of O; the chunk's scores; the rows' statistics.
   static constexpr int kRingBytes = kStages > 1 ? kStages * 2 * kSteps * kThreads * 16 : 0;
@@ -62,8 +69,8 @@ struct DecodeTraits {
     };
     float scores[kRows][kChunk];
     float alphas[kRows];
-    float row_max[kRows];
-    float row_sum[kRows];
+    float row_max[kStatRows];
+    float row_sum[kStatRows];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes == decode_smem_bytes(kHeadDim, kRows, kAsync));
@@ -86,13 +93,14 @@ __device__ __forceinline__ Element const* chunk_ptr(Operand const& t, KeyRow con
 // dst = those 16 bytes where ok, else zeros: asynchronously (cp.async, waited for by the thread itself) with kAsync,
 // else a register load.
 template <bool kAsync, typename Element>
-__device__ __forceinline__ void fetch_chunk(uint4& dst, Operand const& t, KeyRow const& r, int head_k, int col) {
+__device__ __forceinline__ void fetch_chunk(uint4& dst, Operand const& t, KeyRow const& r, bool ok, int head_k,
+                                            int col) {
   if constexpr (kAsync) {
-    Element const* src = r.ok ? chunk_ptr<Element>(t, r, head_k, col) : static_cast<Element const*>(t.ptr);
+    Element const* src = ok ? chunk_ptr<Element>(t, r, head_k, col) : static_cast<Element const*>(t.ptr);
     cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(*reinterpret_cast<cute::uint128_t const*>(src),
-                                                                 *reinterpret_cast<cute::uint128_t*>(&dst), r.ok);
+                                                                 *reinterpret_cast<cute::uint128_t*>(&dst), ok);
   } else {
-    dst = r.ok ? __ldg(reinterpret_cast<uint4 const*>(chunk_ptr<Element>(t, r, head_k, col))) : make_uint4(0, 0, 0, 0);
+    dst = ok ? __ldg(reinterpret_cast<uint4 const*>(chunk_ptr<Element>(t, r, head_k, col))) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -184,7 +192,8 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     CUTE_UNROLL
     for (int e = 0; e < 4; ++e) o_frag[db][e] = 0.f;
   }
-  float m_own[Traits::kRowsPerWarp], l_own[Traits::kRowsPerWarp];  // rows warp + j kWarps, in log2 units
+  // Rows warp + j kWarps, in log2 units; with kOwnSoftmax, the single row over my key slot's keys.
+  float m_own[Traits::kRowsPerWarp], l_own[Traits::kRowsPerWarp];
   CUTE_UNROLL
   for (int j = 0; j < Traits::kRowsPerWarp; ++j) {
     m_own[j] = -INFINITY;
@@ -216,23 +225,26 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     return ring_at(stage, kv, key / kKeysPerStep, key % kKeysPerStep, piece);
   };
   const int warp_key0 = warp * Traits::kWarpKeys;  // in the chunk
-  KeyRow next[kSteps];
+  KeyRow next[kSteps];  // the block-table entries of a paged cache are checked at the fetch, a pass after their load
   auto locate = [&](int chunk) {
     CUTE_UNROLL
-    for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < kSteps; ++s)
       next[s] = key_row(p, seq, key_lo + chunk * kChunk + warp_key0 + s * kKeysPerStep + slot, key_hi, page_shift);
-      next[s].ok = next[s].ok && col_ok;
-    }
   };
   int fetched = chunk_begin;
   auto fetch = [&]() {  // chunk `fetched` into its stage (nothing past the split's end)
     if (fetched < chunk_end) {
       if constexpr (!kAsync) locate(fetched);
       const int stage = (fetched - chunk_begin) % kStages;
+      bool ok[kSteps];
       CUTE_UNROLL
-      for (int s = 0; s < kSteps; ++s) fetch_chunk<kAsync, Element>(stage_at(stage, 0, s), p.k, next[s], head_k, col);
+      for (int s = 0; s < kSteps; ++s) ok[s] = col_ok && key_readable(p, next[s]);
       CUTE_UNROLL
-      for (int s = 0; s < kSteps; ++s) fetch_chunk<kAsync, Element>(stage_at(stage, 1, s), p.v, next[s], head_k, col);
+      for (int s = 0; s < kSteps; ++s)
+        fetch_chunk<kAsync, Element>(stage_at(stage, 0, s), p.k, next[s], ok[s], head_k, col);
+      CUTE_UNROLL
+      for (int s = 0; s < kSteps; ++s)
+        fetch_chunk<kAsync, Element>(stage_at(stage, 1, s), p.v, next[s], ok[s], head_k, col);
     }
     ++fetched;
     if constexpr (kAsync) {
@@ -244,21 +256,63 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   CUTE_UNROLL
   for (int i = 0; i + 1 < kStages; ++i) fetch();
 
+  // Row r's score of key `key` in log2 units, from their dot product: the softcap, ALiBi, then the mask (-inf where
+  // r does not see the key: outside [begin, end)).
+  auto score = [&](float dot, int key, int r, int begin, int end, float slope_r) {
+    if (p.softcap > 0.f) dot = tanh_fast(dot * p.softcap);
+    dot -= slope_r * fabsf(float(r / group + shift - key));
+    return key >= begin && key < end ? dot * p.softmax_scale_log2 : -INFINITY;
+  };
+  // My key slot's part of a chunk for a single row (kOwnSoftmax): its scores, the running max and sum, O rescaled and
+  // its keys' P V added, all in the slot's lanes.
+  auto own_pass = [&](int stage, int key0) {
+    float x[kSteps];
+    float chunk_max = -INFINITY;
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      float kf[8];
+      unpack8<Element>(stage_at(stage, 0, s), kf);
+      float dot = 0.f;
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) dot = fmaf(q[0][e], kf[e], dot);
+      CUTE_UNROLL
+      for (int o = kLanesPerKey / 2; o >= 1; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
+      x[s] = score(dot, key0 + s * kKeysPerStep + slot, 0, key_begin[0], key_end[0], slope[0]);
+      chunk_max = fmaxf(chunk_max, x[s]);
+    }
+    const float m_new = fmaxf(m_own[0], chunk_max);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;  // nothing seen yet: P = 0
+    const float alpha = exp2_approx(m_own[0] - m_use);     // 0 while nothing was seen
+    l_own[0] *= alpha;
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) acc[0][e] *= alpha;
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      const float prob = exp2_approx(x[s] - m_use);
+      l_own[0] += prob;
+      float vf[8];
+      unpack8<Element>(stage_at(stage, 1, s), vf);
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) acc[0][e] = fmaf(prob, vf[e], acc[0][e]);
+    }
+    m_own[0] = m_new;
+  };
+
   for (int chunk = chunk_begin; chunk < chunk_end; ++chunk) {
     const int key0 = key_lo + chunk * kChunk + warp_key0;
     const int stage = (chunk - chunk_begin) % kStages;
     fetch();  // chunk + kStages - 1, into the stage whose K and V the previous pass used up
     if constexpr (kAsync) cp_async_wait<kStages - 1>();
+    if constexpr (Traits::kOwnSoftmax) {
+      own_pass(stage, key0);
+      continue;
+    }
     __syncthreads();  // every warp has read the previous chunk's probabilities
 
     // Scores: the dot products, reduced over a key's lanes; lane kLanesPerKey-part r writes row r's. With kMma,
     // S^T for 16 keys at a time; a lane holds keys quad_row and quad_row + 8, rows 2 quad_col and 2 quad_col + 1.
     auto write_score = [&](float dot, int key_in_warp, int r, int begin, int end, float slope_r) {
-      const int key = key0 + key_in_warp;
-      if (p.softcap > 0.f) dot = tanh_fast(dot * p.softcap);
-      dot -= slope_r * fabsf(float(r / group + shift - key));
-      const bool seen = key >= begin && key < end;
-      smem.scores[r][warp_key0 + key_in_warp] = seen ? dot * p.softmax_scale_log2 : -INFINITY;
+      smem.scores[r][warp_key0 + key_in_warp] = score(dot, key0 + key_in_warp, r, begin, end, slope_r);
     };
     if constexpr (kMma) {
       CUTE_UNROLL
@@ -392,6 +446,18 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   if constexpr (kAsync) cp_async_wait<0>();  // (the fetches past the split's end were empty)
 
   // ---- Epilogue: O's parts summed over the keys of a warp, then over the warps; O / l and the log-sum-exp.
+  if constexpr (Traits::kOwnSoftmax) {  // the slots' statistics become the warp's: O and l rescaled to its max
+    float m = m_own[0];
+    CUTE_UNROLL
+    for (int o = kLanesPerKey; o < 32; o *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+    const float f = m_own[0] == -INFINITY ? 0.f : exp2_approx(m_own[0] - m);
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) acc[0][e] *= f;
+    l_own[0] *= f;
+    CUTE_UNROLL
+    for (int o = kLanesPerKey; o < 32; o *= 2) l_own[0] += __shfl_xor_sync(0xffffffff, l_own[0], o);
+    m_own[0] = m;
+  }
   CUTE_UNROLL
   for (int r = 0; r < (kMma ? 0 : kRows); ++r) {
     CUTE_UNROLL
@@ -417,8 +483,8 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   }
   CUTE_UNROLL
   for (int j = 0; j < Traits::kRowsPerWarp; ++j) {
-    const int r = warp + j * kWarps;
-    if (r < kRows && lane == 0) {
+    const int r = Traits::kOwnSoftmax ? warp : warp + j * kWarps;  // kOwnSoftmax: the warp's statistics
+    if (r < Traits::kStatRows && lane == 0) {
       smem.row_max[r] = m_own[j];
       smem.row_sum[r] = l_own[j];
     }
@@ -429,17 +495,30 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     const int r = idx / kColChunks, c = idx % kColChunks * 8;
     if (r >= rows || c >= p.head_dim) continue;
     const int i = r / group, head = head_of(r);
-    const float l = smem.row_sum[r];
+    // The row's max and sum, and each warp's weight: with kOwnSoftmax, the warps' statistics merged.
+    float m = smem.row_max[r], l = smem.row_sum[r], weight[kWarps];
+    CUTE_UNROLL
+    for (int w = 0; w < kWarps; ++w) weight[w] = 1.f;
+    if constexpr (Traits::kOwnSoftmax) {
+      CUTE_UNROLL
+      for (int w = 0; w < kWarps; ++w) m = fmaxf(m, smem.row_max[w]);
+      l = 0.f;
+      CUTE_UNROLL
+      for (int w = 0; w < kWarps; ++w) {
+        weight[w] = smem.row_max[w] == -INFINITY ? 0.f : exp2_approx(smem.row_max[w] - m);
+        l += weight[w] * smem.row_sum[w];
+      }
+    }
     const float inv = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key: O = 0
     float o[8];
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) {
       float x = 0.f;
       CUTE_UNROLL
-      for (int w = 0; w < kWarps; ++w) x += smem.o_part[w][r][c + e];
+      for (int w = 0; w < kWarps; ++w) x += weight[w] * smem.o_part[w][r][c + e];
       o[e] = x * inv;
     }
-    const float lse = l > 0.f ? (smem.row_max[r] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+    const float lse = l > 0.f ? (m + __log2f(l)) * 0.6931471805599453f : -INFINITY;
     if (p.num_splits == 1) {
       cutlass::Array<Element, 8> out;
       CUTE_UNROLL

@@ -51,6 +51,16 @@ __device__ __forceinline__ int load_offset(int const* ptr) {
   return x;
 }
 
+// load_offset(ptr) where pred holds, else `otherwise` (a predicated load): a walk that reads a table ahead issues
+// these back to back and uses them later.
+__device__ __forceinline__ int load_offset_if(int const* ptr, bool pred, int otherwise) {
+  int x = otherwise;
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p ld.global.nc.s32 %0, [%1];\n}"
+               : "+r"(x)
+               : "l"(ptr), "r"(int(pred)));
+  return x;
+}
+
 // Rows [row0, row0 + length) of a variable-length batch's sequence `batch`, from its offsets cu, clamped to the
 // operand's `total` rows (and each end to its start), so that malformed offsets cannot make a kernel reach
 // outside them.
@@ -89,29 +99,33 @@ __device__ __forceinline__ PagePlace page_place(FwdParams const& p, Sequence con
           page_shift >= 0 ? row & (p.page_size - 1) : row - index * p.page_size};
 }
 
-// Where key `key` of sequence seq lies in k and v: the batch (or page) and row, and whether it is read (a key at or
-// past key_hi is not, nor is a page outside the cache: they read as zeros). page_shift: log2_page_size(p). The block
-// table is read only for keys below key_hi, within the table's row.
+// Where key `key` of sequence seq lies in k and v: the batch (or page) and row, and whether the key is below key_hi
+// (a key at or past it is not read, nor is a page outside the cache: key_readable). page_shift: log2_page_size(p).
+// The block table is read only for keys below key_hi, within the table's row, and its entry is not used here:
+// a walk that looks its rows up ahead does not wait for the table until it reads the keys.
 struct KeyRow {
   int batch;
   int row;
-  bool ok;
+  bool in_range;
 };
 
 __device__ __forceinline__ KeyRow key_row(FwdParams const& p, Sequence const& seq, int key, int key_hi,
                                           int page_shift) {
-  if (key >= key_hi) return {seq.k_batch, 0, false};
-  if (p.block_table == nullptr) return {seq.k_batch, seq.k_row0 + key, true};
+  const bool in_range = key < key_hi;
+  if (p.block_table == nullptr) return {seq.k_batch, seq.k_row0 + key, in_range};
   const PagePlace at = page_place(p, seq, key, page_shift);
-  const int page = load_offset(at.entry);
-  return {page, at.in_page, page >= 0 && page < p.num_pages};
+  return {load_offset_if(at.entry, in_range, -1), at.in_page, in_range};
+}
+
+// Whether the key of r is read: below key_hi, and in a paged cache on a page of the cache.
+__device__ __forceinline__ bool key_readable(FwdParams const& p, KeyRow const& r) {
+  return p.block_table == nullptr ? r.in_range : unsigned(r.batch) < unsigned(p.num_pages);
 }
 
 // The page of key `key` of sequence seq in a paged cache, from the block table (page_shift: log2_page_size);
 // -1, without reading the table, for a key at or past seq.seqlen_k.
 __device__ __forceinline__ int key_page(FwdParams const& p, Sequence const& seq, int key, int page_shift) {
-  const KeyRow k = key_row(p, seq, key, seq.seqlen_k, page_shift);
-  return key < seq.seqlen_k ? k.batch : -1;
+  return key_row(p, seq, key, seq.seqlen_k, page_shift).batch;
 }
 
 // Key `key` of head `head` of operand t (k or v) of a paged cache, on page `page` (key_page); null where that is
