@@ -66,7 +66,7 @@ CASES = [
     (3, 4, 2, 3, None, True, False, True),
     (1, 4, 4, 0, 16, False, False, False),
     (2, 8, 2, 2, 48, True, False, True),
-    (40, 4, 2, 40, None, True, True, True),  # tiled kernels (seqlen_q x group > 8)
+    (40, 4, 2, 40, None, True, True, True),  # tiled kernels (seqlen_q x group > 16)
     (40, 4, 4, 40, 32, False, False, True),  # tiled kernels over a paged cache
     (7, 4, 4, 0, None, False, False, False),
 ]
@@ -148,9 +148,9 @@ def test_every_split_count(nheads_k, rows, require_head_dim, assert_close_2x):
         assert torch.equal(out, again), f"num_splits={splits}: two runs differ"
 
 
-# The tiled kernels (more than 8 query rows per key-value head) split the keys of a KV-cache call as well: 200 query
-# rows make two query tiles, the last partial; sequences of 1024, 37 and 0 keys leave some splits with no key of some
-# row, or of any; a window leaves whole splits outside some rows' windows.
+# The tiled kernels (more query rows per key-value head than the decoding kernel takes) split the keys of a KV-cache
+# call as well: 200 query rows make two query tiles, the last partial; sequences of 1024, 37 and 0 keys leave some
+# splits with no key of some row, or of any; a window leaves whole splits outside some rows' windows.
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("page", [None, 16])
 @pytest.mark.parametrize(
@@ -188,6 +188,55 @@ def test_tiled_split_counts(causal, window, softcap, alibi, page, head_dim, requ
                 q, pk, pv, cache_seqlens=cache_seqlens, block_table=table, num_splits=splits, **options
             )
             assert torch.equal(got, out) and torch.equal(got_lse, lse), f"num_splits={splits}: paged"
+
+
+# In the sm80 family, up to 16 query rows per key-value head of grouped query heads run the decoding kernel at head
+# dims up to 128 (two of mma's n tiles): 1 query x 16 heads, 3 x 4, 2 x 8 and 5 x 3 per key-value head. A causal
+# mask gives the rows different keys; sequences of 1024 and 37 keys leave some splits with none.
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("shape", [(1, 16, 1), (3, 8, 2), (2, 16, 2), (5, 6, 2)], ids=lambda c: "q{}-h{}/{}".format(*c))
+@pytest.mark.parametrize("window,softcap,alibi", [((-1, -1), 0.0, False), ((100, 3), 15.0, True)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_decoding_up_to_16_rows(causal, window, softcap, alibi, shape, head_dim, require_head_dim, assert_close_2x):
+    """The decoding kernel computes these calls (sm80 family) and gives the reference's out and lse (2x rule) at each
+    split count, the same bits on a second run, and over a paged cache the same bits as over the contiguous one."""
+    from cuteflash._lib import compiled_module, select_family
+
+    require_head_dim(head_dim)
+    seqlen_q, nheads, nheads_k = shape
+    batch, rows = 2, 1024
+    family = select_family(torch.device("cuda"))
+    plan = compiled_module().fwd_plan
+    decode = plan(family, batch, nheads, nheads_k, seqlen_q, rows, head_dim, False, False, True, 0)[0]
+    assert decode == (family == "sm80"), (
+        f"{family}: the decoding kernel {'does not run' if family == 'sm80' else 'runs'}"
+    )
+    # 16 query rows of a single head run the tiled kernels, in both families.
+    assert not plan(family, batch, 4, 4, 16, rows, head_dim, False, False, True, 0)[0]
+    dev = dict(device="cuda", dtype=torch.float16)
+    q = torch.randn(batch, seqlen_q, nheads, head_dim, **dev)
+    k_cache, v_cache = (torch.randn(batch, rows, nheads_k, head_dim, **dev) for _ in range(2))
+    cache_seqlens = torch.tensor([rows, 37], dtype=torch.int32, device="cuda")
+    slopes = torch.rand(nheads, device="cuda") * 0.3 if alibi else None
+    args = (cache_seqlens, None, causal, window, softcap, slopes)
+    out_ref, lse_ref = _reference(q, k_cache, v_cache, *args, torch.float64)
+    out_pt, _ = _reference(q, k_cache, v_cache, *args, torch.float16)
+    options = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes, return_softmax_lse=True)
+    pk, pv, table = _paged(k_cache, v_cache, 16, torch.Generator().manual_seed(5))
+    for splits in (0, 1, 3, 16):
+        out, lse = flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits, **options
+        )
+        assert_close_2x(f"num_splits={splits}", out, out_ref, out_pt)
+        assert torch.allclose(lse, lse_ref.float(), rtol=1e-3, atol=1e-3), f"num_splits={splits}: lse"
+        again, _ = flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits, **options
+        )
+        assert torch.equal(out, again), f"num_splits={splits}: two runs differ"
+        got, got_lse = flash_attn_with_kvcache(
+            q, pk, pv, cache_seqlens=cache_seqlens, block_table=table, num_splits=splits, **options
+        )
+        assert torch.equal(got, out) and torch.equal(got_lse, lse), f"num_splits={splits}: paged"
 
 
 @pytest.mark.parametrize("causal", [False, True])

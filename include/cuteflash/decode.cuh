@@ -43,10 +43,12 @@ struct DecodeTraits {
   static constexpr int kSteps = decode_steps(kHeadDim, kRows, kAsync_);
   static constexpr bool kAsync = kAsync_;
   static constexpr int kStages = kAsync ? decode_stages(kHeadDim, kRows) : 1;
-  // Tensor cores for several rows (sm80 family): S^T = K Q^T and O^T = V^T P^T with mma.m16n8k16, the 8 query
-  // rows as the 8 columns, 16 keys of a warp as the rows of S^T (the k of P^T V), the head dim in steps of 16.
+  // Tensor cores for several rows (sm80 family): S^T = K Q^T and O^T = V^T P^T with mma.m16n8k16, the query rows
+  // as the columns (kNTiles tiles of 8), 16 keys of a warp as the rows of S^T (the k of P^T V), the head dim in
+  // steps of 16.
   static constexpr bool kMma = decode_mma(kHeadDim, kRows, kAsync_);
-  static_assert(!kMma || (kRows == 8 && kKeysPerStep * kSteps % 16 == 0 && kHeadDim % 16 == 0));
+  static constexpr int kNTiles = kMma ? kRows / 8 : 1;
+  static_assert(!kMma || (kRows % 8 == 0 && kKeysPerStep * kSteps % 16 == 0 && kHeadDim % 16 == 0));
   using Mma = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
                                  cute::SM80_16x8x16_F32BF16BF16F32_TN>;
   static_assert(kWarps * kKeysPerStep * kSteps >= 32, "the softmax reads a chunk 32 keys at a time");
@@ -132,18 +134,21 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   auto head_of = [&](int r) { return head_k * group + r % group; };
   // Whether query row r exists: the rows past `rows` (a group of 4 in a kernel for 8) are skipped at run time.
   auto live = [&](int r) { return kRows == 1 || r < rows; };
-  // With kMma, a lane's place in the mma fragments: row `quad_row` of A and C, columns 2 quad_col, 2 quad_col + 1.
+  // With kMma, a lane's place in the mma fragments: row `quad_row` of A and C, columns 2 quad_col, 2 quad_col + 1
+  // of each n tile (query rows 8 t + 2 quad_col + {0, 1} of tile t).
   const int quad_row = lane / 4, quad_col = lane % 4;
+  constexpr int kNTiles = Traits::kNTiles;
 
   // My columns of each query row (CUDA cores), and each row's visible keys and ALiBi slope.
   float q[kMma ? 1 : kRows][8];
-  constexpr int kRowsHeld = kMma ? 2 : kRows;  // kMma: the two rows 2 quad_col + e whose scores a lane holds
+  // kMma: the rows 8 t + 2 quad_col + e whose scores a lane holds, held 2 t + e.
+  constexpr int kRowsHeld = kMma ? 2 * kNTiles : kRows;
   int key_begin[kRowsHeld], key_end[kRowsHeld];
   float slope[kRowsHeld];
   const auto mask = MaskPolicy<true>::make(seq.seqlen_q, seq.seqlen_k, p.causal, p.window_left, p.window_right);
   CUTE_UNROLL
   for (int held = 0; held < kRowsHeld; ++held) {
-    const int r = kMma ? 2 * quad_col + held : held;
+    const int r = kMma ? 8 * (held / 2) + 2 * quad_col + held % 2 : held;
     const bool live = r < rows;
     const int i = live ? r / group : 0;
     if constexpr (!kMma) {
@@ -159,16 +164,20 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
                       : 0.f;
   }
   const int shift = seq.seqlen_k - seq.seqlen_q;
-  // With kMma: Q^T's B fragments (query row quad_row, head dims 16 kb + 2 quad_col + {0, 1, 8, 9}).
-  uint32_t q_frag[kMma ? kHeadDim / 16 : 1][2];
+  // With kMma: Q^T's B fragments of tile t (query row 8 t + quad_row, head dims 16 kb + 2 quad_col + {0, 1, 8, 9}).
+  uint32_t q_frag[kNTiles][kMma ? kHeadDim / 16 : 1][2];
   if constexpr (kMma) {
-    Element const* q_row = p.q.at<Element const>(seq.batch, head_of(quad_row), seq.q_row0 + quad_row / group);
     CUTE_UNROLL
-    for (int kb = 0; kb < kHeadDim / 16; ++kb) {
+    for (int t = 0; t < kNTiles; ++t) {
+      const int r = 8 * t + quad_row;
+      Element const* q_row = p.q.at<Element const>(seq.batch, head_of(r), seq.q_row0 + r / group);
       CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int dim = kb * 16 + h * 8 + 2 * quad_col;
-        q_frag[kb][h] = live(quad_row) && dim < p.head_dim ? *reinterpret_cast<uint32_t const*>(q_row + dim) : 0u;
+      for (int kb = 0; kb < kHeadDim / 16; ++kb) {
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const int dim = kb * 16 + h * 8 + 2 * quad_col;
+          q_frag[t][kb][h] = live(r) && dim < p.head_dim ? *reinterpret_cast<uint32_t const*>(q_row + dim) : 0u;
+        }
       }
     }
   }
@@ -186,11 +195,14 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
   }
-  float o_frag[kMma ? kHeadDim / 16 : 1][4];  // kMma: O^T's C fragments over my keys
+  float o_frag[kNTiles][kMma ? kHeadDim / 16 : 1][4];  // kMma: O^T's C fragments over my keys, per n tile
   CUTE_UNROLL
-  for (int db = 0; db < (kMma ? kHeadDim / 16 : 1); ++db) {
+  for (int t = 0; t < kNTiles; ++t) {
     CUTE_UNROLL
-    for (int e = 0; e < 4; ++e) o_frag[db][e] = 0.f;
+    for (int db = 0; db < (kMma ? kHeadDim / 16 : 1); ++db) {
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) o_frag[t][db][e] = 0.f;
+    }
   }
   // Rows warp + j kWarps, in log2 units; with kOwnSoftmax, the single row over my key slot's keys.
   float m_own[Traits::kRowsPerWarp], l_own[Traits::kRowsPerWarp];
@@ -310,28 +322,35 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     __syncthreads();  // every warp has read the previous chunk's probabilities
 
     // Scores: the dot products, reduced over a key's lanes; lane kLanesPerKey-part r writes row r's. With kMma,
-    // S^T for 16 keys at a time; a lane holds keys quad_row and quad_row + 8, rows 2 quad_col and 2 quad_col + 1.
+    // S^T for 16 keys at a time; a lane holds keys quad_row and quad_row + 8, rows 8 t + 2 quad_col + {0, 1}.
     auto write_score = [&](float dot, int key_in_warp, int r, int begin, int end, float slope_r) {
       smem.scores[r][warp_key0 + key_in_warp] = score(dot, key0 + key_in_warp, r, begin, end, slope_r);
     };
     if constexpr (kMma) {
       CUTE_UNROLL
       for (int mb = 0; mb < Traits::kWarpKeys / 16; ++mb) {
-        float st[4] = {0.f, 0.f, 0.f, 0.f};
+        float st[kNTiles][4] = {};
         CUTE_UNROLL
         for (int kb = 0; kb < kHeadDim / 16; ++kb) {
           uint32_t a[4];
           const int key = mb * 16 + (lane >> 3 & 1) * 8 + (lane & 7), piece = 2 * kb + (lane >> 4);
           cute::SM75_U32x4_LDSM_N::copy(reinterpret_cast<cute::uint128_t const&>(key_piece(stage, 0, key, piece)), a[0],
                                         a[1], a[2], a[3]);
-          Traits::Mma::fma(st[0], st[1], st[2], st[3], a[0], a[1], a[2], a[3], q_frag[kb][0], q_frag[kb][1], st[0],
-                           st[1], st[2], st[3]);
+          CUTE_UNROLL
+          for (int t = 0; t < kNTiles; ++t) {
+            Traits::Mma::fma(st[t][0], st[t][1], st[t][2], st[t][3], a[0], a[1], a[2], a[3], q_frag[t][kb][0],
+                             q_frag[t][kb][1], st[t][0], st[t][1], st[t][2], st[t][3]);
+          }
         }
         CUTE_UNROLL
-        for (int e = 0; e < 4; ++e) {
-          const int r = 2 * quad_col + (e & 1);
-          if (live(r))
-            write_score(st[e], mb * 16 + quad_row + (e >> 1) * 8, r, key_begin[e & 1], key_end[e & 1], slope[e & 1]);
+        for (int t = 0; t < kNTiles; ++t) {
+          CUTE_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const int r = 8 * t + 2 * quad_col + (e & 1), held = 2 * t + (e & 1);
+            if (live(r)) {
+              write_score(st[t][e], mb * 16 + quad_row + (e >> 1) * 8, r, key_begin[held], key_end[held], slope[held]);
+            }
+          }
         }
       }
     } else {
@@ -390,25 +409,35 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
 
     // O = alpha O + P V over my keys. With kMma, O^T += V^T P^T, 16 keys at a time.
     if constexpr (kMma) {
-      float alpha[2];
       CUTE_UNROLL
-      for (int e = 0; e < 2; ++e) alpha[e] = live(2 * quad_col + e) ? smem.alphas[2 * quad_col + e] : 0.f;
-      CUTE_UNROLL
-      for (int db = 0; db < kHeadDim / 16; ++db) {
+      for (int t = 0; t < kNTiles; ++t) {
+        float alpha[2];
         CUTE_UNROLL
-        for (int e = 0; e < 4; ++e) o_frag[db][e] *= alpha[e & 1];
+        for (int e = 0; e < 2; ++e) {
+          const int r = 8 * t + 2 * quad_col + e;
+          alpha[e] = live(r) ? smem.alphas[r] : 0.f;
+        }
+        CUTE_UNROLL
+        for (int db = 0; db < kHeadDim / 16; ++db) {
+          CUTE_UNROLL
+          for (int e = 0; e < 4; ++e) o_frag[t][db][e] *= alpha[e & 1];
+        }
       }
       CUTE_UNROLL
       for (int mb = 0; mb < Traits::kWarpKeys / 16; ++mb) {
-        uint32_t pb[2];  // P^T's B fragment: row quad_row, keys 2 quad_col + {0, 1} and + 8
+        uint32_t pb[kNTiles][2];  // P^T's B fragments: row 8 t + quad_row, keys 2 quad_col + {0, 1} and + 8
         CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          float const* prob = &smem.scores[quad_row][warp_key0 + mb * 16 + h * 8 + 2 * quad_col];
-          const auto pair =
-              live(quad_row)
-                  ? cutlass::NumericArrayConverter<Element, float, 2>{}(cutlass::Array<float, 2>{prob[0], prob[1]})
-                  : cutlass::Array<Element, 2>{};
-          pb[h] = reinterpret_cast<uint32_t const&>(pair);
+        for (int t = 0; t < kNTiles; ++t) {
+          CUTE_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            const int r = 8 * t + quad_row;
+            float const* prob = &smem.scores[r][warp_key0 + mb * 16 + h * 8 + 2 * quad_col];
+            const auto pair =
+                live(r)
+                    ? cutlass::NumericArrayConverter<Element, float, 2>{}(cutlass::Array<float, 2>{prob[0], prob[1]})
+                    : cutlass::Array<Element, 2>{};
+            pb[t][h] = reinterpret_cast<uint32_t const&>(pair);
+          }
         }
         CUTE_UNROLL
         for (int db = 0; db < kHeadDim / 16; ++db) {
@@ -416,8 +445,12 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
           const int key = mb * 16 + (lane >> 4) * 8 + (lane & 7), piece = 2 * db + (lane >> 3 & 1);
           cute::SM75_U16x8_LDSM_T::copy(reinterpret_cast<cute::uint128_t const&>(key_piece(stage, 1, key, piece)), a[0],
                                         a[1], a[2], a[3]);
-          Traits::Mma::fma(o_frag[db][0], o_frag[db][1], o_frag[db][2], o_frag[db][3], a[0], a[1], a[2], a[3], pb[0],
-                           pb[1], o_frag[db][0], o_frag[db][1], o_frag[db][2], o_frag[db][3]);
+          CUTE_UNROLL
+          for (int t = 0; t < kNTiles; ++t) {
+            float (&c)[4] = o_frag[t][db];
+            Traits::Mma::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], pb[t][0], pb[t][1], c[0], c[1], c[2],
+                             c[3]);
+          }
         }
       }
     } else {
@@ -467,12 +500,15 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     }
   }
   __syncthreads();       // the stages' memory becomes o_part
-  if constexpr (kMma) {  // C fragment element e: head dim 16 db + quad_row (+ 8 for e >= 2), row 2 quad_col + e % 2
+  if constexpr (kMma) {  // C element e: head dim 16 db + quad_row (+ 8 for e >= 2), row 8 t + 2 quad_col + e % 2
     CUTE_UNROLL
-    for (int db = 0; db < kHeadDim / 16; ++db) {
+    for (int t = 0; t < kNTiles; ++t) {
       CUTE_UNROLL
-      for (int e = 0; e < 4; ++e)
-        smem.o_part[warp][2 * quad_col + (e & 1)][db * 16 + quad_row + (e >> 1) * 8] = o_frag[db][e];
+      for (int db = 0; db < kHeadDim / 16; ++db) {
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e)
+          smem.o_part[warp][8 * t + 2 * quad_col + (e & 1)][db * 16 + quad_row + (e >> 1) * 8] = o_frag[t][db][e];
+      }
     }
   } else if (slot == 0 && col < kHeadDim) {
     CUTE_UNROLL
@@ -544,10 +580,13 @@ void run_decode(FwdParams const& p, cudaStream_t stream) {
     launch(&decode_kernel<Traits>, dim3(p.num_splits, p.nheads_k, p.batch), Traits::kThreads, Traits::kSmemBytes,
            stream, p, "decoding");
   };
-  if (p.seqlen_q * (p.nheads / p.nheads_k) == 1) {
+  const int rows = decode_kernel_rows(p.seqlen_q * (p.nheads / p.nheads_k));
+  if (rows == 1) {
     run(DecodeTraits<Element, kHeadDim, 1, kAsync>{});
-  } else {
+  } else if (rows == kDecodeMaxRows || !decode_mma(kHeadDim, kDecodeMaxMmaRows, kAsync)) {
     run(DecodeTraits<Element, kHeadDim, kDecodeMaxRows, kAsync>{});
+  } else {
+    run(DecodeTraits<Element, kHeadDim, kDecodeMaxMmaRows, kAsync>{});
   }
   if (p.num_splits > 1) merge_splits<Element, kHeadDim>(p, stream);
 }
