@@ -246,9 +246,9 @@ bool decode_fits(Family family, int head_dim, int seqlen_q, int nheads, int nhea
 }
 
 // The decoding kernel's split count: num_splits where the caller asks for some (capped by the chunks of keys and
-// kMaxSplits), else enough blocks to fill the current device once: four per SM for a single query row, three
-// for 8 rows on tensor cores, two beside the registers of 8 rows on CUDA cores or of 16 on tensor cores, fewer
-// where the shared memory holds fewer.
+// kMaxSplits), else enough blocks to fill the current device once: four per SM for a single query row, two beside
+// the registers of several rows (on CUDA cores, or 8 and 16 on tensor cores), fewer where the shared memory holds
+// fewer.
 int decode_split_count(Family family, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim,
                        int num_splits) {
   const int rows = decode_kernel_rows(seqlen_q * (nheads / nheads_k));
@@ -260,7 +260,7 @@ int decode_split_count(Family family, int batch, int nheads, int nheads_k, int s
   if (splits <= 0) {
     const DeviceLimits& device = device_limits();
     const int block_smem = decode_smem_bytes(kernel_head_dim, rows, async) + 1024;  // + the driver's
-    const int fill = rows == 1 ? 4 : rows == kDecodeMaxRows && decode_mma(kernel_head_dim, rows, async) ? 3 : 2;
+    const int fill = rows == 1 ? 4 : 2;
     const int per_sm = std::max(std::min(fill, device.smem_per_sm / block_smem), 1);
     // Rounded down: a few blocks more than fit at once would take a second wave.
     const int64_t blocks = std::max<int64_t>(int64_t(batch) * nheads_k, 1);

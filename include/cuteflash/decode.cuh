@@ -1,8 +1,9 @@
 // The decoding kernel: attention of the few query rows that share a key-value head (seqlen_q times the GQA group,
-// at most kDecodeMaxRows) against many keys, for either family. With so few rows, reading K and V is the whole
-// cost, so the kernel is built for it: CUDA cores rather than tensor-core tiles of 64 or more rows, each lane
-// loading 16 bytes of a key row at a time, a paged cache read row by row, and the keys split across thread blocks
-// where batch x heads alone cannot fill the GPU (flash-decoding), each split's result merged by its log-sum-exp.
+// at most kDecodeMaxRows, or kDecodeMaxMmaRows on tensor cores) against many keys, for either family. With so few
+// rows, reading K and V is the whole cost, so the kernel is built for it: rather than tensor-core tiles of 64 or
+// more rows, each lane loads 16 bytes of a key row at a time, a paged cache is read row by row, and the keys are
+// split across thread blocks where batch x heads alone cannot fill the GPU (flash-decoding), each split's result
+// merged by its log-sum-exp.
 //
 // A thread block (4 warps) takes one split of one (sequence, key-value head) and walks its keys in chunks, fetched
 // kStages - 1 chunks ahead with cp.async in the sm80 family, at the top of each pass in the sm70 family. Per
@@ -12,9 +13,9 @@
 // finally rescales its part of O and adds its keys' P V. At the end the warps' parts of O are summed. A single
 // query row needs none of that exchange: the lanes of each key slot keep a running max and sum of their own keys,
 // with no barrier in the walk, and the epilogue merges them (kOwnSoftmax). For several query rows in the sm80
-// family (kMma), the two products run on tensor cores instead, from the shared-memory stages: with only 8 rows, the
-// rows are mma's n = 8 and the keys its m = 16 (S^T = K Q^T, O^T = V^T P^T), so no product is padded; on CUDA cores
-// the lanes' reductions cost more than the cache read.
+// family (kMma), each warp computes its keys' two products on tensor cores from the shared-memory stages, the rows
+// as mma's m = 16 (S = Q K^T, O = P V, P in registers as in the tiled kernels), and keeps its rows' own running
+// max and sum as well; on CUDA cores the lanes' reductions cost more than the cache read.
 #pragma once
 
 #include <cute/arch/copy_sm75.hpp>
@@ -43,12 +44,11 @@ struct DecodeTraits {
   static constexpr int kSteps = decode_steps(kHeadDim, kRows, kAsync_);
   static constexpr bool kAsync = kAsync_;
   static constexpr int kStages = kAsync ? decode_stages(kHeadDim, kRows) : 1;
-  // Tensor cores for several rows (sm80 family): S^T = K Q^T and O^T = V^T P^T with mma.m16n8k16, the query rows
-  // as the columns (kNTiles tiles of 8), 16 keys of a warp as the rows of S^T (the k of P^T V), the head dim in
-  // steps of 16.
+  // Tensor cores for several rows (sm80 family): S = Q K^T and O = P V with mma.m16n8k16, the query rows as mma's
+  // m = 16 (8 of them padding in a kernel for 8 rows), each warp's keys of a chunk 16 at a time, the head dim in
+  // steps of 16; P stays in registers, as in the tiled kernels.
   static constexpr bool kMma = decode_mma(kHeadDim, kRows, kAsync_);
-  static constexpr int kNTiles = kMma ? kRows / 8 : 1;
-  static_assert(!kMma || (kRows % 8 == 0 && kKeysPerStep * kSteps % 16 == 0 && kHeadDim % 16 == 0));
+  static_assert(!kMma || (kRows <= 16 && kKeysPerStep * kSteps % 16 == 0 && kHeadDim % 16 == 0));
   using Mma = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
                                  cute::SM80_16x8x16_F32BF16BF16F32_TN>;
   static_assert(kWarps * kKeysPerStep * kSteps >= 32, "the softmax reads a chunk 32 keys at a time");
@@ -57,10 +57,11 @@ struct DecodeTraits {
   static_assert(kChunk == decode_chunk(kHeadDim, kRows, kAsync_));
   static constexpr int kRowsPerWarp = ceil_div(kRows, kWarps);  // the query rows whose statistics a warp owns
   // For a single query row, each key slot of a warp (the kLanesPerKey lanes of one key of a load) keeps the running
-  // max and sum of its own keys: the walk needs no barrier, no shared memory besides its own stages, and no warp
-  // waits for another's softmax. The epilogue merges the slots' and then the warps' statistics.
-  static constexpr bool kOwnSoftmax = kRows == 1;
-  static constexpr int kStatRows = kOwnSoftmax ? kWarps : kRows;  // the statistics in shared memory at the end
+  // max and sum of its own keys; with kMma, each warp keeps its rows' over its own keys. Then the walk needs no
+  // barrier between warps, no shared memory besides their stages, and no warp waits for another's softmax. The
+  // epilogue merges the slots' and then the warps' statistics.
+  static constexpr bool kOwnSoftmax = kRows == 1 || kMma;
+  static constexpr int kStats = kOwnSoftmax ? kWarps * kRows : kRows;  // statistics in shared memory at the end
   // Shared memory (dynamic, all of it): the async stages, [stage][K, V][step][thread] 16 bytes, each lane's own,
   // which after the walk hold the warps' parts of O; the chunk's scores; the rows' statistics.
   static constexpr int kRingBytes = kStages > 1 ? kStages * 2 * kSteps * kThreads * 16 : 0;
@@ -71,8 +72,8 @@ struct DecodeTraits {
     };
     float scores[kRows][kChunk];
     float alphas[kRows];
-    float row_max[kStatRows];
-    float row_sum[kStatRows];
+    float row_max[kStats];  // kOwnSoftmax: warp w's of row r at w kRows + r
+    float row_sum[kStats];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes == decode_smem_bytes(kHeadDim, kRows, kAsync));
@@ -134,21 +135,20 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   auto head_of = [&](int r) { return head_k * group + r % group; };
   // Whether query row r exists: the rows past `rows` (a group of 4 in a kernel for 8) are skipped at run time.
   auto live = [&](int r) { return kRows == 1 || r < rows; };
-  // With kMma, a lane's place in the mma fragments: row `quad_row` of A and C, columns 2 quad_col, 2 quad_col + 1
-  // of each n tile (query rows 8 t + 2 quad_col + {0, 1} of tile t).
+  // With kMma, a lane's place in the mma fragments: rows quad_row and quad_row + 8 of A and C (query rows), columns
+  // 2 quad_col and 2 quad_col + 1 of C (keys, or head dims), k 2 quad_col, 2 quad_col + 1 (+ 8) of A and B.
   const int quad_row = lane / 4, quad_col = lane % 4;
-  constexpr int kNTiles = Traits::kNTiles;
 
   // My columns of each query row (CUDA cores), and each row's visible keys and ALiBi slope.
   float q[kMma ? 1 : kRows][8];
-  // kMma: the rows 8 t + 2 quad_col + e whose scores a lane holds, held 2 t + e.
-  constexpr int kRowsHeld = kMma ? 2 * kNTiles : kRows;
+  // kMma: the rows quad_row + 8 h whose scores a lane holds, held h.
+  constexpr int kRowsHeld = kMma ? 2 : kRows;
   int key_begin[kRowsHeld], key_end[kRowsHeld];
   float slope[kRowsHeld];
   const auto mask = MaskPolicy<true>::make(seq.seqlen_q, seq.seqlen_k, p.causal, p.window_left, p.window_right);
   CUTE_UNROLL
   for (int held = 0; held < kRowsHeld; ++held) {
-    const int r = kMma ? 8 * (held / 2) + 2 * quad_col + held % 2 : held;
+    const int r = kMma ? quad_row + 8 * held : held;
     const bool live = r < rows;
     const int i = live ? r / group : 0;
     if constexpr (!kMma) {
@@ -164,20 +164,18 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
                       : 0.f;
   }
   const int shift = seq.seqlen_k - seq.seqlen_q;
-  // With kMma: Q^T's B fragments of tile t (query row 8 t + quad_row, head dims 16 kb + 2 quad_col + {0, 1, 8, 9}).
-  uint32_t q_frag[kNTiles][kMma ? kHeadDim / 16 : 1][2];
+  // With kMma: Q's A fragments, element j: query row quad_row + 8 (j % 2), head dims 16 kb + 8 (j / 2) +
+  // 2 quad_col + {0, 1}.
+  uint32_t q_frag[kMma ? kHeadDim / 16 : 1][4];
   if constexpr (kMma) {
     CUTE_UNROLL
-    for (int t = 0; t < kNTiles; ++t) {
-      const int r = 8 * t + quad_row;
+    for (int j = 0; j < 4; ++j) {
+      const int r = quad_row + 8 * (j % 2);
       Element const* q_row = p.q.at<Element const>(seq.batch, head_of(r), seq.q_row0 + r / group);
       CUTE_UNROLL
       for (int kb = 0; kb < kHeadDim / 16; ++kb) {
-        CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          const int dim = kb * 16 + h * 8 + 2 * quad_col;
-          q_frag[t][kb][h] = live(r) && dim < p.head_dim ? *reinterpret_cast<uint32_t const*>(q_row + dim) : 0u;
-        }
+        const int dim = kb * 16 + 8 * (j / 2) + 2 * quad_col;
+        q_frag[kb][j] = live(r) && dim < p.head_dim ? *reinterpret_cast<uint32_t const*>(q_row + dim) : 0u;
       }
     }
   }
@@ -195,19 +193,19 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
   }
-  float o_frag[kNTiles][kMma ? kHeadDim / 16 : 1][4];  // kMma: O^T's C fragments over my keys, per n tile
+  // kMma: O's C fragments over my warp's keys, head dims 8 n + 2 quad_col + {0, 1}, rows quad_row (+ 8 for e >= 2).
+  float o_frag[kMma ? kHeadDim / 8 : 1][4];
   CUTE_UNROLL
-  for (int t = 0; t < kNTiles; ++t) {
+  for (int n = 0; n < (kMma ? kHeadDim / 8 : 1); ++n) {
     CUTE_UNROLL
-    for (int db = 0; db < (kMma ? kHeadDim / 16 : 1); ++db) {
-      CUTE_UNROLL
-      for (int e = 0; e < 4; ++e) o_frag[t][db][e] = 0.f;
-    }
+    for (int e = 0; e < 4; ++e) o_frag[n][e] = 0.f;
   }
-  // Rows warp + j kWarps, in log2 units; with kOwnSoftmax, the single row over my key slot's keys.
-  float m_own[Traits::kRowsPerWarp], l_own[Traits::kRowsPerWarp];
+  // Rows warp + j kWarps, in log2 units; with a single row, the row over my key slot's keys; with kMma, rows
+  // quad_row + 8 j over my warp's keys (the sums over my quad's columns only, until the end).
+  constexpr int kOwnRows = kMma ? 2 : Traits::kRowsPerWarp;
+  float m_own[kOwnRows], l_own[kOwnRows];
   CUTE_UNROLL
-  for (int j = 0; j < Traits::kRowsPerWarp; ++j) {
+  for (int j = 0; j < kOwnRows; ++j) {
     m_own[j] = -INFINITY;
     l_own[j] = 0.f;
   }
@@ -277,7 +275,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   };
   // My key slot's part of a chunk for a single row (kOwnSoftmax): its scores, the running max and sum, O rescaled and
   // its keys' P V added, all in the slot's lanes.
-  auto own_pass = [&](int stage, int key0) {
+  auto own_pass = [&](auto stage, int key0) {  // (generic: compiled only where it is called)
     float x[kSteps];
     float chunk_max = -INFINITY;
     CUTE_UNROLL
@@ -310,65 +308,117 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     m_own[0] = m_new;
   };
 
-  for (int chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-    const int key0 = key_lo + chunk * kChunk + warp_key0;
-    const int stage = (chunk - chunk_begin) % kStages;
-    fetch();  // chunk + kStages - 1, into the stage whose K and V the previous pass used up
-    if constexpr (kAsync) cp_async_wait<kStages - 1>();
-    if constexpr (Traits::kOwnSoftmax) {
-      own_pass(stage, key0);
-      continue;
+  // My warp's part of a chunk with kMma: S = Q K^T for its keys, 16 at a time (two n tiles of 8), the running max
+  // and sum of its rows, O rescaled, and O += P V with P in registers (the C fragments of two n tiles are the A
+  // fragment of one k step).
+  auto mma_pass = [&](auto stage, int key0) {  // (generic: compiled only where it is called)
+    constexpr int kBlocks = Traits::kWarpKeys / 16;
+    float x[kBlocks][2][4];  // scores: 16 keys mb, n tile t, element e (row quad_row + 8 (e / 2))
+    CUTE_UNROLL
+    for (int mb = 0; mb < kBlocks; ++mb) {
+      CUTE_UNROLL
+      for (int t = 0; t < 2; ++t) {
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) x[mb][t][e] = 0.f;
+      }
+      CUTE_UNROLL
+      for (int kb = 0; kb < kHeadDim / 16; ++kb) {
+        uint32_t b[4];  // K^T's B fragments: keys 0-7 (b[0], b[1]) and 8-15 (b[2], b[3]) of the 16
+        const int key = mb * 16 + (lane >> 4) * 8 + (lane & 7), piece = 2 * kb + (lane >> 3 & 1);
+        cute::SM75_U32x4_LDSM_N::copy(reinterpret_cast<cute::uint128_t const&>(key_piece(stage, 0, key, piece)), b[0],
+                                      b[1], b[2], b[3]);
+        CUTE_UNROLL
+        for (int t = 0; t < 2; ++t) {
+          float (&c)[4] = x[mb][t];
+          Traits::Mma::fma(c[0], c[1], c[2], c[3], q_frag[kb][0], q_frag[kb][1], q_frag[kb][2], q_frag[kb][3], b[2 * t],
+                           b[2 * t + 1], c[0], c[1], c[2], c[3]);
+        }
+      }
     }
-    __syncthreads();  // every warp has read the previous chunk's probabilities
+    float chunk_max[2] = {-INFINITY, -INFINITY};
+    CUTE_UNROLL
+    for (int mb = 0; mb < kBlocks; ++mb) {
+      CUTE_UNROLL
+      for (int t = 0; t < 2; ++t) {
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int h = e / 2, key = key0 + mb * 16 + t * 8 + 2 * quad_col + e % 2;
+          x[mb][t][e] = score(x[mb][t][e], key, quad_row + 8 * h, key_begin[h], key_end[h], slope[h]);
+          chunk_max[h] = fmaxf(chunk_max[h], x[mb][t][e]);
+        }
+      }
+    }
+    float alpha[2], m_use[2];
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      CUTE_UNROLL
+      for (int o = 1; o <= 2; o *= 2) chunk_max[h] = fmaxf(chunk_max[h], __shfl_xor_sync(0xffffffff, chunk_max[h], o));
+      const float m_new = fmaxf(m_own[h], chunk_max[h]);
+      m_use[h] = m_new == -INFINITY ? 0.f : m_new;  // nothing seen yet: P = 0
+      alpha[h] = exp2_approx(m_own[h] - m_use[h]);  // 0 while nothing was seen
+      l_own[h] *= alpha[h];
+      m_own[h] = m_new;
+    }
+    CUTE_UNROLL
+    for (int n = 0; n < kHeadDim / 8; ++n) {
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) o_frag[n][e] *= alpha[e / 2];
+    }
+    CUTE_UNROLL
+    for (int mb = 0; mb < kBlocks; ++mb) {
+      uint32_t a[4];  // P's A fragment: rows quad_row (a[0], a[2]) and + 8, keys 2 quad_col (+ 8 for a[2], a[3])
+      CUTE_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        const int t = j / 2, h = j % 2;
+        float prob[2];
+        CUTE_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          prob[e] = exp2_approx(x[mb][t][2 * h + e] - m_use[h]);
+          l_own[h] += prob[e];
+        }
+        const auto pair =
+            cutlass::NumericArrayConverter<Element, float, 2>{}(cutlass::Array<float, 2>{prob[0], prob[1]});
+        a[j] = reinterpret_cast<uint32_t const&>(pair);
+      }
+      CUTE_UNROLL
+      for (int db = 0; db < kHeadDim / 16; ++db) {
+        uint32_t b[4];  // V's B fragments: head dims 16 db + 0-7 (b[0], b[1]) and + 8-15 (b[2], b[3])
+        const int key = mb * 16 + (lane >> 3 & 1) * 8 + (lane & 7), piece = 2 * db + (lane >> 4);
+        cute::SM75_U16x8_LDSM_T::copy(reinterpret_cast<cute::uint128_t const&>(key_piece(stage, 1, key, piece)), b[0],
+                                      b[1], b[2], b[3]);
+        CUTE_UNROLL
+        for (int t = 0; t < 2; ++t) {
+          float (&c)[4] = o_frag[2 * db + t];
+          Traits::Mma::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b[2 * t], b[2 * t + 1], c[0], c[1], c[2],
+                           c[3]);
+        }
+      }
+    }
+  };
 
-    // Scores: the dot products, reduced over a key's lanes; lane kLanesPerKey-part r writes row r's. With kMma,
-    // S^T for 16 keys at a time; a lane holds keys quad_row and quad_row + 8, rows 8 t + 2 quad_col + {0, 1}.
+  // The chunk's pass of several rows on CUDA cores: the warps' scores through shared memory, each row's softmax by
+  // the warp that owns it, then every warp's P V.
+  auto shared_pass = [&](auto stage, int key0) {  // (generic: compiled only where it is called)
+    __syncthreads();                              // every warp has read the previous chunk's probabilities
+
+    // Scores: the dot products, reduced over a key's lanes; lane kLanesPerKey-part r writes row r's.
     auto write_score = [&](float dot, int key_in_warp, int r, int begin, int end, float slope_r) {
       smem.scores[r][warp_key0 + key_in_warp] = score(dot, key0 + key_in_warp, r, begin, end, slope_r);
     };
-    if constexpr (kMma) {
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      float kf[8];
+      unpack8<Element>(stage_at(stage, 0, s), kf);
       CUTE_UNROLL
-      for (int mb = 0; mb < Traits::kWarpKeys / 16; ++mb) {
-        float st[kNTiles][4] = {};
+      for (int r = 0; r < kRows; ++r) {
+        if (!live(r)) continue;
+        float dot = 0.f;
         CUTE_UNROLL
-        for (int kb = 0; kb < kHeadDim / 16; ++kb) {
-          uint32_t a[4];
-          const int key = mb * 16 + (lane >> 3 & 1) * 8 + (lane & 7), piece = 2 * kb + (lane >> 4);
-          cute::SM75_U32x4_LDSM_N::copy(reinterpret_cast<cute::uint128_t const&>(key_piece(stage, 0, key, piece)), a[0],
-                                        a[1], a[2], a[3]);
-          CUTE_UNROLL
-          for (int t = 0; t < kNTiles; ++t) {
-            Traits::Mma::fma(st[t][0], st[t][1], st[t][2], st[t][3], a[0], a[1], a[2], a[3], q_frag[t][kb][0],
-                             q_frag[t][kb][1], st[t][0], st[t][1], st[t][2], st[t][3]);
-          }
-        }
+        for (int e = 0; e < 8; ++e) dot = fmaf(q[r][e], kf[e], dot);
         CUTE_UNROLL
-        for (int t = 0; t < kNTiles; ++t) {
-          CUTE_UNROLL
-          for (int e = 0; e < 4; ++e) {
-            const int r = 8 * t + 2 * quad_col + (e & 1), held = 2 * t + (e & 1);
-            if (live(r)) {
-              write_score(st[t][e], mb * 16 + quad_row + (e >> 1) * 8, r, key_begin[held], key_end[held], slope[held]);
-            }
-          }
-        }
-      }
-    } else {
-      CUTE_UNROLL
-      for (int s = 0; s < kSteps; ++s) {
-        float kf[8];
-        unpack8<Element>(stage_at(stage, 0, s), kf);
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          if (!live(r)) continue;
-          float dot = 0.f;
-          CUTE_UNROLL
-          for (int e = 0; e < 8; ++e) dot = fmaf(q[r][e], kf[e], dot);
-          CUTE_UNROLL
-          for (int o = kLanesPerKey / 2; o >= 1; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
-          if (lane % kLanesPerKey == r % kLanesPerKey) {
-            write_score(dot, s * kKeysPerStep + slot, r, key_begin[r], key_end[r], slope[r]);
-          }
+        for (int o = kLanesPerKey / 2; o >= 1; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
+        if (lane % kLanesPerKey == r % kLanesPerKey) {
+          write_score(dot, s * kKeysPerStep + slot, r, key_begin[r], key_end[r], slope[r]);
         }
       }
     }
@@ -407,79 +457,54 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     }
     __syncthreads();
 
-    // O = alpha O + P V over my keys. With kMma, O^T += V^T P^T, 16 keys at a time.
-    if constexpr (kMma) {
+    // O = alpha O + P V over my keys.
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      if (!live(r)) continue;
+      const float alpha = smem.alphas[r];
       CUTE_UNROLL
-      for (int t = 0; t < kNTiles; ++t) {
-        float alpha[2];
-        CUTE_UNROLL
-        for (int e = 0; e < 2; ++e) {
-          const int r = 8 * t + 2 * quad_col + e;
-          alpha[e] = live(r) ? smem.alphas[r] : 0.f;
-        }
-        CUTE_UNROLL
-        for (int db = 0; db < kHeadDim / 16; ++db) {
-          CUTE_UNROLL
-          for (int e = 0; e < 4; ++e) o_frag[t][db][e] *= alpha[e & 1];
-        }
-      }
-      CUTE_UNROLL
-      for (int mb = 0; mb < Traits::kWarpKeys / 16; ++mb) {
-        uint32_t pb[kNTiles][2];  // P^T's B fragments: row 8 t + quad_row, keys 2 quad_col + {0, 1} and + 8
-        CUTE_UNROLL
-        for (int t = 0; t < kNTiles; ++t) {
-          CUTE_UNROLL
-          for (int h = 0; h < 2; ++h) {
-            const int r = 8 * t + quad_row;
-            float const* prob = &smem.scores[r][warp_key0 + mb * 16 + h * 8 + 2 * quad_col];
-            const auto pair =
-                live(r)
-                    ? cutlass::NumericArrayConverter<Element, float, 2>{}(cutlass::Array<float, 2>{prob[0], prob[1]})
-                    : cutlass::Array<Element, 2>{};
-            pb[t][h] = reinterpret_cast<uint32_t const&>(pair);
-          }
-        }
-        CUTE_UNROLL
-        for (int db = 0; db < kHeadDim / 16; ++db) {
-          uint32_t a[4];
-          const int key = mb * 16 + (lane >> 4) * 8 + (lane & 7), piece = 2 * db + (lane >> 3 & 1);
-          cute::SM75_U16x8_LDSM_T::copy(reinterpret_cast<cute::uint128_t const&>(key_piece(stage, 1, key, piece)), a[0],
-                                        a[1], a[2], a[3]);
-          CUTE_UNROLL
-          for (int t = 0; t < kNTiles; ++t) {
-            float (&c)[4] = o_frag[t][db];
-            Traits::Mma::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], pb[t][0], pb[t][1], c[0], c[1], c[2],
-                             c[3]);
-          }
-        }
-      }
-    } else {
+      for (int e = 0; e < 8; ++e) acc[r][e] *= alpha;
+    }
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      float vf[8];
+      unpack8<Element>(stage_at(stage, 1, s), vf);
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         if (!live(r)) continue;
-        const float alpha = smem.alphas[r];
+        const float prob = smem.scores[r][warp_key0 + s * kKeysPerStep + slot];
         CUTE_UNROLL
-        for (int e = 0; e < 8; ++e) acc[r][e] *= alpha;
+        for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(prob, vf[e], acc[r][e]);
       }
-      CUTE_UNROLL
-      for (int s = 0; s < kSteps; ++s) {
-        float vf[8];
-        unpack8<Element>(stage_at(stage, 1, s), vf);
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          if (!live(r)) continue;
-          const float prob = smem.scores[r][warp_key0 + s * kKeysPerStep + slot];
-          CUTE_UNROLL
-          for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(prob, vf[e], acc[r][e]);
-        }
-      }
+    }
+  };
+
+  for (int chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+    const int key0 = key_lo + chunk * kChunk + warp_key0;
+    const int stage = (chunk - chunk_begin) % kStages;
+    if constexpr (kMma) __syncwarp();  // my warp's lanes are done with the stage that this fetch refills
+    fetch();                           // chunk + kStages - 1, into the stage whose K and V the previous pass used up
+    if constexpr (kAsync) cp_async_wait<kStages - 1>();
+    if constexpr (kMma) {
+      __syncwarp();  // each lane's copies of the chunk are seen by the warp's ldmatrix
+      mma_pass(stage, key0);
+    } else if constexpr (Traits::kOwnSoftmax) {
+      own_pass(stage, key0);
+    } else {
+      shared_pass(stage, key0);
     }
   }
 
   if constexpr (kAsync) cp_async_wait<0>();  // (the fetches past the split's end were empty)
 
   // ---- Epilogue: O's parts summed over the keys of a warp, then over the warps; O / l and the log-sum-exp.
-  if constexpr (Traits::kOwnSoftmax) {  // the slots' statistics become the warp's: O and l rescaled to its max
+  if constexpr (kMma) {  // a lane's row sums cover its columns: the quad's sum is the warp's
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      CUTE_UNROLL
+      for (int o = 1; o <= 2; o *= 2) l_own[h] += __shfl_xor_sync(0xffffffff, l_own[h], o);
+    }
+  } else if constexpr (Traits::kOwnSoftmax) {  // the slots' statistics become the warp's: O, l rescaled to its max
     float m = m_own[0];
     CUTE_UNROLL
     for (int o = kLanesPerKey; o < 32; o *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
@@ -500,14 +525,21 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     }
   }
   __syncthreads();       // the stages' memory becomes o_part
-  if constexpr (kMma) {  // C element e: head dim 16 db + quad_row (+ 8 for e >= 2), row 8 t + 2 quad_col + e % 2
+  if constexpr (kMma) {  // C element e: row quad_row (+ 8 for e >= 2), head dim 8 n + 2 quad_col + e % 2
     CUTE_UNROLL
-    for (int t = 0; t < kNTiles; ++t) {
+    for (int n = 0; n < kHeadDim / 8; ++n) {
       CUTE_UNROLL
-      for (int db = 0; db < kHeadDim / 16; ++db) {
-        CUTE_UNROLL
-        for (int e = 0; e < 4; ++e)
-          smem.o_part[warp][8 * t + 2 * quad_col + (e & 1)][db * 16 + quad_row + (e >> 1) * 8] = o_frag[t][db][e];
+      for (int e = 0; e < 4; ++e) {
+        const int r = quad_row + 8 * (e / 2);
+        if (r < kRows) smem.o_part[warp][r][8 * n + 2 * quad_col + e % 2] = o_frag[n][e];
+      }
+    }
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = quad_row + 8 * h;
+      if (quad_col == 0 && r < kRows) {
+        smem.row_max[warp * kRows + r] = m_own[h];
+        smem.row_sum[warp * kRows + r] = l_own[h];
       }
     }
   } else if (slot == 0 && col < kHeadDim) {
@@ -518,9 +550,9 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     }
   }
   CUTE_UNROLL
-  for (int j = 0; j < Traits::kRowsPerWarp; ++j) {
-    const int r = Traits::kOwnSoftmax ? warp : warp + j * kWarps;  // kOwnSoftmax: the warp's statistics
-    if (r < Traits::kStatRows && lane == 0) {
+  for (int j = 0; j < (kMma ? 0 : Traits::kRowsPerWarp); ++j) {
+    const int r = Traits::kOwnSoftmax ? warp : warp + j * kWarps;  // a single row: the warp's statistics
+    if (r < Traits::kStats && lane == 0) {
       smem.row_max[r] = m_own[j];
       smem.row_sum[r] = l_own[j];
     }
@@ -536,13 +568,15 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     CUTE_UNROLL
     for (int w = 0; w < kWarps; ++w) weight[w] = 1.f;
     if constexpr (Traits::kOwnSoftmax) {
+      m = -INFINITY;
       CUTE_UNROLL
-      for (int w = 0; w < kWarps; ++w) m = fmaxf(m, smem.row_max[w]);
+      for (int w = 0; w < kWarps; ++w) m = fmaxf(m, smem.row_max[w * kRows + r]);
       l = 0.f;
       CUTE_UNROLL
       for (int w = 0; w < kWarps; ++w) {
-        weight[w] = smem.row_max[w] == -INFINITY ? 0.f : exp2_approx(smem.row_max[w] - m);
-        l += weight[w] * smem.row_sum[w];
+        const float m_w = smem.row_max[w * kRows + r];
+        weight[w] = m_w == -INFINITY ? 0.f : exp2_approx(m_w - m);
+        l += weight[w] * smem.row_sum[w * kRows + r];
       }
     }
     const float inv = l > 0.f ? 1.f / l : 0.f;  // a row that sees no key: O = 0
@@ -583,9 +617,9 @@ void run_decode(FwdParams const& p, cudaStream_t stream) {
   const int rows = decode_kernel_rows(p.seqlen_q * (p.nheads / p.nheads_k));
   if (rows == 1) {
     run(DecodeTraits<Element, kHeadDim, 1, kAsync>{});
-  } else if (rows == kDecodeMaxRows || !decode_mma(kHeadDim, kDecodeMaxMmaRows, kAsync)) {
+  } else if (rows == kDecodeMaxRows) {
     run(DecodeTraits<Element, kHeadDim, kDecodeMaxRows, kAsync>{});
-  } else {
+  } else if constexpr (decode_mma(kHeadDim, kDecodeMaxMmaRows, kAsync)) {  // (decode_fits allows 16 only here)
     run(DecodeTraits<Element, kHeadDim, kDecodeMaxMmaRows, kAsync>{});
   }
   if (p.num_splits > 1) merge_splits<Element, kHeadDim>(p, stream);

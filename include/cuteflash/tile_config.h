@@ -170,11 +170,11 @@ constexpr int decode_chunk(int head_dim, int rows, bool async) {
   return 4 * (32 / decode_lanes_per_key(head_dim)) * decode_steps(head_dim, rows, async);
 }
 // Its shared memory in bytes (DecodeTraits::SharedStorage): the stages (or, after them, O's parts of the 4
-// warps), the scores of a chunk, three statistics per row (a single row's max and sum per warp).
+// warps), the scores of a chunk, three statistics per row (max and sum per warp where each warp keeps its own).
 constexpr int decode_smem_bytes(int head_dim, int rows, bool async) {
   const int ring = async ? decode_stages(head_dim, rows) * 2 * decode_steps(head_dim, rows, async) * 128 * 16 : 0;
   const int o_part = 4 * rows * head_dim * 4;
-  const int stat_rows = rows == 1 ? 4 : rows;  // a single row's statistics per warp
+  const int stat_rows = rows == 1 || decode_mma(head_dim, rows, async) ? 4 * rows : rows;  // per warp and row
   return (ring > o_part ? ring : o_part) + rows * decode_chunk(head_dim, rows, async) * 4 +
          (4 * rows + 8 * stat_rows + 15) / 16 * 16;
 }
