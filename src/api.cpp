@@ -233,16 +233,10 @@ void fill_cache(FwdParams& p, Cache const& c) {
 }
 
 // Whether the decoding kernel (decode.cuh) computes a forward pass of these sizes: a fixed-length batch without
-// dropout whose query rows per key-value head (seqlen_q x group) are few: up to kDecodeMaxRows, and up to
-// decode_max_rows where a key-value head serves several query heads. The tiled kernels read each key once per
-// query head, so for grouped heads the decoding kernel reads less (2.4x faster at 2 queries x 8 heads per
-// key-value head, 9x at 1 x 16, H200); for one head their 128-row tiles compute 9 to 16 rows faster (1.3-1.4x).
+// dropout whose query rows per key-value head (seqlen_q x group) are few (decode_max_rows).
 bool decode_fits(Family family, int head_dim, int seqlen_q, int nheads, int nheads_k, bool varlen, bool dropout) {
-  if (varlen || dropout || nheads_k < 1) return false;
-  const int group = nheads / nheads_k;
-  const int64_t rows = int64_t(seqlen_q) * group;
-  return rows <= kDecodeMaxRows ||
-         (group > 1 && rows <= decode_max_rows(round_up_head_dim(head_dim), family == Family::kSm80));
+  const int max_rows = decode_max_rows(round_up_head_dim(head_dim), family == Family::kSm80);
+  return !varlen && !dropout && nheads_k >= 1 && int64_t(seqlen_q) * (nheads / nheads_k) <= max_rows;
 }
 
 // The decoding kernel's split count: num_splits where the caller asks for some (capped by the chunks of keys and

@@ -190,11 +190,15 @@ def test_tiled_split_counts(causal, window, softcap, alibi, page, head_dim, requ
             assert torch.equal(got, out) and torch.equal(got_lse, lse), f"num_splits={splits}: paged"
 
 
-# In the sm80 family, up to 16 query rows per key-value head of grouped query heads run the decoding kernel at head
-# dims up to 128 (two of mma's n tiles): 1 query x 16 heads, 3 x 4, 2 x 8 and 5 x 3 per key-value head. A causal
+# In the sm80 family, up to 16 query rows per key-value head run the decoding kernel at head dims up to 128 (the rows
+# as mma's m): 16 queries of one head, 9 x 1, 1 query x 16 heads, 3 x 4, 2 x 8 and 5 x 3 per key-value head. A causal
 # mask gives the rows different keys; sequences of 1024 and 37 keys leave some splits with none.
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("shape", [(1, 16, 1), (3, 8, 2), (2, 16, 2), (5, 6, 2)], ids=lambda c: "q{}-h{}/{}".format(*c))
+@pytest.mark.parametrize(
+    "shape",
+    [(16, 4, 4), (9, 2, 2), (1, 16, 1), (3, 8, 2), (2, 16, 2), (5, 6, 2)],
+    ids=lambda c: "q{}-h{}/{}".format(*c),
+)
 @pytest.mark.parametrize("window,softcap,alibi", [((-1, -1), 0.0, False), ((100, 3), 15.0, True)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_decoding_up_to_16_rows(causal, window, softcap, alibi, shape, head_dim, require_head_dim, assert_close_2x):
@@ -211,8 +215,8 @@ def test_decoding_up_to_16_rows(causal, window, softcap, alibi, shape, head_dim,
     assert decode == (family == "sm80"), (
         f"{family}: the decoding kernel {'does not run' if family == 'sm80' else 'runs'}"
     )
-    # 16 query rows of a single head run the tiled kernels, in both families.
-    assert not plan(family, batch, 4, 4, 16, rows, head_dim, False, False, True, 0)[0]
+    # 17 rows run the tiled kernels.
+    assert not plan(family, batch, 4, 4, 17, rows, head_dim, False, False, True, 0)[0]
     dev = dict(device="cuda", dtype=torch.float16)
     q = torch.randn(batch, seqlen_q, nheads, head_dim, **dev)
     k_cache, v_cache = (torch.randn(batch, rows, nheads_k, head_dim, **dev) for _ in range(2))

@@ -179,9 +179,8 @@ constexpr int decode_smem_bytes(int head_dim, int rows, bool async) {
          (4 * rows + 8 * stat_rows + 15) / 16 * 16;
 }
 // The most query rows per key-value head that the decoding kernel serves (seqlen_q x the GQA group): 8, and 16
-// where it runs the products on tensor cores (decode_mma: the sm80 family, head dims up to 128), as two of mma's
-// n = 8 tiles, for grouped query heads (api.cpp's decode_fits). A kernel is compiled for 1, 8 or 16 rows
-// (decode_kernel_rows) and skips the rows past a call's.
+// where it runs the products on tensor cores (decode_mma: the sm80 family, head dims up to 128), the rows as mma's
+// m = 16. A kernel is compiled for 1, 8 or 16 rows (decode_kernel_rows) and skips the rows past a call's.
 constexpr int kDecodeMaxRows = 8;
 constexpr int kDecodeMaxMmaRows = 16;
 constexpr int decode_max_rows(int head_dim, bool async) {
