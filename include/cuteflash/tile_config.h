@@ -190,9 +190,9 @@ constexpr int decode_kernel_rows(int rows) {
   return rows == 1 ? 1 : rows <= kDecodeMaxRows ? kDecodeMaxRows : kDecodeMaxMmaRows;
 }
 // The most splits of the keys a forward pass makes (the decoding kernel, and the tiled kernels for KV caches), and
-// the fewest keys per split that the tiled kernels choose: fewer would cost more in Q's load and O's fp32 part per
-// split than their keys.
+// the fewest keys per split that the tiled kernels and the decoding kernel's tensor-core path choose: fewer would
+// cost more in Q's load, O's fp32 part and its merge per split than their keys.
 constexpr int kMaxSplits = 128;
-constexpr int kTiledMinKeysPerSplit = 256;
+constexpr int kMinKeysPerSplit = 256;
 
 }  // namespace cuteflash
