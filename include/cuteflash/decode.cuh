@@ -211,9 +211,10 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   }
 
   // The chunks' K and V on their way: with kStages > 1, a ring of stages in shared memory that cp.async fills
-  // kStages - 1 chunks ahead, each lane reading back only the bytes it fetched (so its own wait is enough), and
-  // the rows of a chunk looked up one fetch ahead (a paged cache's table read does not hold up the fetch); with one
-  // stage, registers loaded at the top of the chunk's pass.
+  // kStages - 1 chunks ahead, each lane reading back only the bytes it fetched (so its own wait is enough; with
+  // kMma, only bytes its warp fetched, the warp synced after the wait and before a stage is refilled), and the rows
+  // of a chunk looked up one fetch ahead (a paged cache's table read does not hold up the fetch); with one stage,
+  // registers loaded at the top of the chunk's pass.
   // With kMma, the 16-byte pieces of a key row are permuted by the key (the XOR below), so that ldmatrix's reads of
   // one piece of 8 keys fall in distinct banks.
   uint4 regs[2][kStages == 1 ? kSteps : 1];
