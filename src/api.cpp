@@ -242,8 +242,8 @@ bool decode_fits(Family family, int head_dim, int seqlen_q, int nheads, int nhea
 // The decoding kernel's split count: num_splits where the caller asks for some (capped by the chunks of keys and
 // kMaxSplits), else enough blocks to fill the current device once: four per SM for a single query row, two beside
 // the registers of several rows (on CUDA cores, or 8 and 16 on tensor cores), fewer where the shared memory holds
-// fewer; on tensor cores, at least kMinKeysPerSplit keys per split (H200, 1 x 1 x 8192 keys, 2 key-value heads of
-// 16 query heads: 128 splits of 64 keys took 21.5 us, 32 of 256 keys 15.6).
+// fewer; on tensor cores, at least kMinKeysPerSplit keys per split (with few key-value heads, filling the GPU
+// would leave a split a chunk or two of keys, less than its fp32 part and merge cost).
 int decode_split_count(Family family, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim,
                        int num_splits) {
   const int rows = decode_kernel_rows(seqlen_q * (nheads / nheads_k));
