@@ -148,6 +148,35 @@ def test_every_split_count(nheads_k, rows, require_head_dim, assert_close_2x):
         assert torch.equal(out, again), f"num_splits={splits}: two runs differ"
 
 
+def _check_split_counts(q, k_cache, v_cache, cache_seqlens, options, page, counts, assert_close_2x):
+    """For each split count in counts: out and lse against the float64 reference (2x rule), the same bits on a second
+    run, and with pages of `page` rows (None: none) the same bits as over the contiguous cache. options: causal,
+    window, softcap and alibi (ALiBi slopes drawn per head)."""
+    causal, window, softcap = options["causal"], options["window"], options["softcap"]
+    slopes = torch.rand(q.shape[2], device="cuda") * 0.3 if options["alibi"] else None
+    args = (cache_seqlens, None, causal, window, softcap, slopes)
+    out_ref, lse_ref = _reference(q, k_cache, v_cache, *args, torch.float64)
+    out_pt, _ = _reference(q, k_cache, v_cache, *args, torch.float16)
+    kwargs = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes, return_softmax_lse=True)
+    if page is not None:
+        pk, pv, table = _paged(k_cache, v_cache, page, torch.Generator().manual_seed(4))
+    for splits in counts:
+        out, lse = flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits, **kwargs
+        )
+        assert_close_2x(f"num_splits={splits}", out, out_ref, out_pt)
+        assert torch.allclose(lse, lse_ref.float(), rtol=1e-3, atol=1e-3), f"num_splits={splits}: lse"
+        again, _ = flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits, **kwargs
+        )
+        assert torch.equal(out, again), f"num_splits={splits}: two runs differ"
+        if page is not None:
+            got, got_lse = flash_attn_with_kvcache(
+                q, pk, pv, cache_seqlens=cache_seqlens, block_table=table, num_splits=splits, **kwargs
+            )
+            assert torch.equal(got, out) and torch.equal(got_lse, lse), f"num_splits={splits}: paged"
+
+
 # The tiled kernels (more query rows per key-value head than the decoding kernel takes) split the keys of a KV-cache
 # call as well: 200 query rows make two query tiles, the last partial; sequences of 1024, 37 and 0 keys leave some
 # splits with no key of some row, or of any; a window leaves whole splits outside some rows' windows.
@@ -166,28 +195,8 @@ def test_tiled_split_counts(causal, window, softcap, alibi, page, head_dim, requ
     q = torch.randn(batch, seqlen_q, nheads, head_dim, **dev)
     k_cache, v_cache = (torch.randn(batch, rows, nheads_k, head_dim, **dev) for _ in range(2))
     cache_seqlens = torch.tensor([rows, 37, 0], dtype=torch.int32, device="cuda")
-    slopes = torch.rand(nheads, device="cuda") * 0.3 if alibi else None
-    args = (cache_seqlens, None, causal, window, softcap, slopes)
-    out_ref, lse_ref = _reference(q, k_cache, v_cache, *args, torch.float64)
-    out_pt, _ = _reference(q, k_cache, v_cache, *args, torch.float16)
-    options = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes, return_softmax_lse=True)
-    if page is not None:
-        pk, pv, table = _paged(k_cache, v_cache, page, torch.Generator().manual_seed(4))
-    for splits in (0, 1, 2, 3, 7, 16, 128):
-        out, lse = flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits, **options
-        )
-        assert_close_2x(f"num_splits={splits}", out, out_ref, out_pt)
-        assert torch.allclose(lse, lse_ref.float(), rtol=1e-3, atol=1e-3), f"num_splits={splits}: lse"
-        again, _ = flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits, **options
-        )
-        assert torch.equal(out, again), f"num_splits={splits}: two runs differ"
-        if page is not None:
-            got, got_lse = flash_attn_with_kvcache(
-                q, pk, pv, cache_seqlens=cache_seqlens, block_table=table, num_splits=splits, **options
-            )
-            assert torch.equal(got, out) and torch.equal(got_lse, lse), f"num_splits={splits}: paged"
+    options = dict(causal=causal, window=window, softcap=softcap, alibi=alibi)
+    _check_split_counts(q, k_cache, v_cache, cache_seqlens, options, page, (0, 1, 2, 3, 7, 16, 128), assert_close_2x)
 
 
 # In the sm80 family, up to 16 query rows per key-value head run the decoding kernel at head dims up to 128 (the rows
@@ -221,26 +230,8 @@ def test_decoding_up_to_16_rows(causal, window, softcap, alibi, shape, head_dim,
     q = torch.randn(batch, seqlen_q, nheads, head_dim, **dev)
     k_cache, v_cache = (torch.randn(batch, rows, nheads_k, head_dim, **dev) for _ in range(2))
     cache_seqlens = torch.tensor([rows, 37], dtype=torch.int32, device="cuda")
-    slopes = torch.rand(nheads, device="cuda") * 0.3 if alibi else None
-    args = (cache_seqlens, None, causal, window, softcap, slopes)
-    out_ref, lse_ref = _reference(q, k_cache, v_cache, *args, torch.float64)
-    out_pt, _ = _reference(q, k_cache, v_cache, *args, torch.float16)
-    options = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes, return_softmax_lse=True)
-    pk, pv, table = _paged(k_cache, v_cache, 16, torch.Generator().manual_seed(5))
-    for splits in (0, 1, 3, 16):
-        out, lse = flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits, **options
-        )
-        assert_close_2x(f"num_splits={splits}", out, out_ref, out_pt)
-        assert torch.allclose(lse, lse_ref.float(), rtol=1e-3, atol=1e-3), f"num_splits={splits}: lse"
-        again, _ = flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits, **options
-        )
-        assert torch.equal(out, again), f"num_splits={splits}: two runs differ"
-        got, got_lse = flash_attn_with_kvcache(
-            q, pk, pv, cache_seqlens=cache_seqlens, block_table=table, num_splits=splits, **options
-        )
-        assert torch.equal(got, out) and torch.equal(got_lse, lse), f"num_splits={splits}: paged"
+    options = dict(causal=causal, window=window, softcap=softcap, alibi=alibi)
+    _check_split_counts(q, k_cache, v_cache, cache_seqlens, options, 16, (0, 1, 3, 16), assert_close_2x)
 
 
 @pytest.mark.parametrize("causal", [False, True])
