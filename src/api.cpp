@@ -234,9 +234,9 @@ void fill_cache(FwdParams& p, Cache const& c) {
 
 // Whether the decoding kernel (decode.cuh) computes a forward pass of these sizes: a fixed-length batch without
 // dropout whose query rows per key-value head (seqlen_q x group) are few (decode_max_rows).
-bool decode_fits(Family family, int head_dim, int seqlen_q, int nheads, int nheads_k, bool varlen, bool dropout) {
-  const int max_rows = decode_max_rows(round_up_head_dim(head_dim), family == Family::kSm80);
-  return !varlen && !dropout && nheads_k >= 1 && int64_t(seqlen_q) * (nheads / nheads_k) <= max_rows;
+bool decode_fits(int head_dim, int seqlen_q, int nheads, int nheads_k, bool varlen, bool dropout) {
+  return !varlen && !dropout && nheads_k >= 1 &&
+         int64_t(seqlen_q) * (nheads / nheads_k) <= decode_max_rows(round_up_head_dim(head_dim));
 }
 
 // The decoding kernel's split count: num_splits where the caller asks for some (capped by the chunks of keys and
@@ -260,7 +260,7 @@ int decode_split_count(Family family, int batch, int nheads, int nheads_k, int s
     // Rounded down: a few blocks more than fit at once would take a second wave.
     const int64_t blocks = std::max<int64_t>(int64_t(batch) * nheads_k, 1);
     splits = int(std::min<int64_t>(per_sm * int64_t(device.sms) / blocks, kMaxSplits));
-    if (decode_mma(kernel_head_dim, rows, async)) splits = std::min(splits, seqlen_k / kMinKeysPerSplit);
+    if (decode_tensor_cores(kernel_head_dim, rows, async)) splits = std::min(splits, seqlen_k / kMinKeysPerSplit);
   }
   return std::clamp(splits, 1, std::min(chunks, kMaxSplits));
 }
@@ -323,7 +323,7 @@ std::tuple<bool, int, int64_t, int64_t> fwd_plan(std::string const& family_name,
   require(nheads_k >= 1 && nheads % nheads_k == 0, "nheads must be a multiple of nheads_k");
   require(round_up_head_dim(head_dim) > 0, "head_dim must be at most 256");
   const Family family = parse_family(family_name);
-  const bool decode = decode_fits(family, head_dim, seqlen_q, nheads, nheads_k, varlen, dropout);
+  const bool decode = decode_fits(head_dim, seqlen_q, nheads, nheads_k, varlen, dropout);
   int splits = 1;
   if (batch > 0 && seqlen_q > 0) {
     if (decode) {
@@ -355,7 +355,7 @@ void fwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
   fill_cache(p, cache);
   require(p.block_table == nullptr || p.rng_state == nullptr, "dropout with a paged cache is not implemented");
   require(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits must be in [1, 128] (fwd_plan)");
-  require(!decode || decode_fits(family, head_dim, seqlen_q, nheads, nheads_k, varlen.on(), p.rng_state != nullptr),
+  require(!decode || decode_fits(head_dim, seqlen_q, nheads, nheads_k, varlen.on(), p.rng_state != nullptr),
           "the decoding kernel does not compute this call (fwd_plan)");
   // The tiled kernels split the keys where their variant serves caches (sequence.cuh): KV-cache calls, whose
   // batches have fixed lengths.

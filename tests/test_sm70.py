@@ -5,7 +5,7 @@ the family compiled for the test GPU)."""
 import pytest
 import torch
 
-from cuteflash import flash_attn_func
+from cuteflash import flash_attn_func, flash_attn_with_kvcache
 from cuteflash._lib import select_family
 from cuteflash._ops import SM70_CORRECTION_ENV
 from cuteflash.reference import attention_ref
@@ -116,3 +116,31 @@ def test_forward_correction_is_not_worse(monkeypatch, max_err):
     )
     assert err_c <= 2 * err_pt + 1e-5
     assert err_c <= err_u
+
+
+def test_decoding_correction_removes_the_bias(monkeypatch, max_err):
+    """The decoding kernel's tensor-core path (16 query rows of one head) corrects P as the tiled kernels do. One key
+    in 16 scores higher than the others (so each warp's running max, over 16 keys at a time, is the row's), and the
+    other keys share one P per row (0.52-0.95, not exact in fp16); V is about 1.5. Plain fp16 P moves each row's O
+    by P's rounding error, on top of O's own rounding; corrected P does not."""
+    from cuteflash._lib import compiled_module
+
+    seqlen_k, rows, head_dim = 2048, 16, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.zeros(1, rows, 1, head_dim, device="cuda")
+    q[0, :, 0, 0] = 0.05 + 0.04 * torch.arange(rows, device="cuda")
+    k = torch.zeros(1, seqlen_k, 1, head_dim, device="cuda")
+    k[0, :, 0, 0] = 1.0
+    k[0, ::16, 0, 0] = 2.0
+    v = 1.5 + 0.01 * torch.randn(1, seqlen_k, 1, head_dim, device="cuda", generator=g)
+    q, k, v = q.half(), k.half(), v.half()
+    assert compiled_module().fwd_plan("sm70", 1, 1, 1, rows, seqlen_k, head_dim, False, False, True, 0)[0]
+    out_ref, _ = attention_ref(q, k, v, softmax_scale=1.0, compute_dtype=torch.float64)
+    out_pt, _ = attention_ref(q, k, v, softmax_scale=1.0, compute_dtype=torch.float16)
+    corrected = flash_attn_with_kvcache(q, k, v, softmax_scale=1.0, num_splits=1)
+    monkeypatch.setenv(SM70_CORRECTION_ENV, "0")
+    plain = flash_attn_with_kvcache(q, k, v, softmax_scale=1.0, num_splits=1)
+    err_c, err_u, err_pt = max_err(corrected, out_ref), max_err(plain, out_ref), max_err(out_pt, out_ref)
+    print(f"\ndecoding, one P for 15 keys in 16: corrected {err_c:.3e}, plain fp16 {err_u:.3e}, PyTorch {err_pt:.3e}")
+    assert err_c <= 2 * err_pt + 1e-5
+    assert err_c < 0.75 * err_u

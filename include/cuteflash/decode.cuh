@@ -24,6 +24,7 @@
 
 #include "cuteflash/launch.h"
 #include "cuteflash/mask.cuh"
+#include "cuteflash/sm70/wmma.cuh"
 #include "cuteflash/split_merge.cuh"
 #include "cuteflash/tile_config.h"
 #include "cuteflash/utils.cuh"
@@ -48,30 +49,55 @@ struct DecodeTraits {
   // m = 16 (8 of them padding in a kernel for 8 rows), each warp's keys of a chunk 16 at a time, the head dim in
   // steps of 16; P stays in registers, as in the tiled kernels.
   static constexpr bool kMma = decode_mma(kHeadDim, kRows, kAsync_);
-  static_assert(!kMma || (kRows <= 16 && kKeysPerStep * kSteps % 16 == 0 && kHeadDim % 16 == 0));
   using Mma = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
                                  cute::SM80_16x8x16_F32BF16BF16F32_TN>;
+  // Tensor cores in the sm70 family, for more rows than its CUDA cores take: WMMA 16x16x16, the 16 rows as m, on
+  // shared tiles: Q's, and per warp its keys' K and V of a chunk (stored from the registers, so that the next
+  // chunk's loads are in flight during the products) and S, then P in its place as error-corrected fp16
+  // (sm70/wmma.cuh).
+  static constexpr bool kWmma = decode_wmma(kHeadDim, kRows, kAsync_);
+  static_assert(!kWmma || (kRows == 16 && std::is_same_v<Element, cutlass::half_t>));
+  static constexpr bool kTensorCores = kMma || kWmma;
+  static_assert(!kTensorCores || (kRows <= 16 && kKeysPerStep * kSteps % 16 == 0 && kHeadDim % 16 == 0));
   static_assert(kWarps * kKeysPerStep * kSteps >= 32, "the softmax reads a chunk 32 keys at a time");
   static constexpr int kWarpKeys = kKeysPerStep * kSteps;
   static constexpr int kChunk = kWarps * kWarpKeys;  // keys per chunk
   static_assert(kChunk == decode_chunk(kHeadDim, kRows, kAsync_));
   static constexpr int kRowsPerWarp = ceil_div(kRows, kWarps);  // the query rows whose statistics a warp owns
   // For a single query row, each key slot of a warp (the kLanesPerKey lanes of one key of a load) keeps the running
-  // max and sum of its own keys; with kMma, each warp keeps its rows' over its own keys. Then the walk needs no
-  // barrier between warps, no shared memory besides their stages, and no warp waits for another's softmax. The
-  // epilogue merges the slots' and then the warps' statistics.
-  static constexpr bool kOwnSoftmax = kRows == 1 || kMma;
+  // max and sum of its own keys; on tensor cores, each warp keeps its rows' over its own keys. Then the walk needs
+  // no barrier between warps, no shared memory besides their stages or tiles, and no warp waits for another's
+  // softmax. The epilogue merges the slots' and then the warps' statistics.
+  static constexpr bool kOwnSoftmax = kRows == 1 || kTensorCores;
   static constexpr int kStats = kOwnSoftmax ? kWarps * kRows : kRows;  // statistics in shared memory at the end
+  // kWmma's tiles, row-major, rows padded by 16 bytes (WMMA's loads take a leading dimension, no swizzle): Q's 16
+  // rows; a warp's K and V rows of a chunk; its S (fp32, 16 x its keys), then P's hi' and lo (fp16) in its place;
+  // its rows' rescale factors.
+  static constexpr int kLdKV = kHeadDim + 8;  // elements
+  static constexpr int kLdS = kWarpKeys + 8;  // floats of S, halves of P
+  struct WmmaWarp {
+    Element k[kWarpKeys][kLdKV], v[kWarpKeys][kLdKV];
+    float s[16][kLdS];
+    float alpha[16];
+  };
+  struct WmmaTiles {
+    Element q[16][kLdKV];
+    WmmaWarp warps[kWarps];
+  };
+  struct NoTiles {};
   // Shared memory (dynamic, all of it): the async stages, [stage][K, V][step][thread] 16 bytes, each lane's own,
-  // which after the walk hold the warps' parts of O; the chunk's scores; the rows' statistics.
+  // or kWmma's tiles, which after the walk hold the warps' parts of O; where the warps share a softmax, the chunk's
+  // scores and the rows' rescale factors; the rows' statistics.
   static constexpr int kRingBytes = kStages > 1 ? kStages * 2 * kSteps * kThreads * 16 : 0;
+  static constexpr int kScoreRows = kOwnSoftmax ? 1 : kRows;
   struct SharedStorage {
     union {
       uint4 ring[kRingBytes > 0 ? kRingBytes / 16 : 1];
       float o_part[kWarps][kRows][kHeadDim];
+      std::conditional_t<kWmma, WmmaTiles, NoTiles> tiles;
     };
-    float scores[kRows][kChunk];
-    float alphas[kRows];
+    float scores[kScoreRows][kOwnSoftmax ? 1 : kChunk];
+    float alphas[kScoreRows];
     float row_max[kStats];  // kOwnSoftmax: warp w's of row r at w kRows + r
     float row_sum[kStats];
   };
@@ -121,6 +147,8 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   constexpr bool kAsync = Traits::kAsync;
   constexpr int kStages = Traits::kStages;
   constexpr bool kMma = Traits::kMma;
+  constexpr bool kWmma = Traits::kWmma;
+  constexpr bool kTensorCores = Traits::kTensorCores;
   extern __shared__ uint4 smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
@@ -140,18 +168,19 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   const int quad_row = lane / 4, quad_col = lane % 4;
 
   // My columns of each query row (CUDA cores), and each row's visible keys and ALiBi slope.
-  float q[kMma ? 1 : kRows][8];
-  // kMma: the rows quad_row + 8 h whose scores a lane holds, held h.
-  constexpr int kRowsHeld = kMma ? 2 : kRows;
+  float q[kTensorCores ? 1 : kRows][8];
+  // kMma: the rows quad_row + 8 h whose scores a lane holds, held h; kWmma: row lane % 16, whose softmax lanes r
+  // and r + 16 share.
+  constexpr int kRowsHeld = kMma ? 2 : kWmma ? 1 : kRows;
   int key_begin[kRowsHeld], key_end[kRowsHeld];
   float slope[kRowsHeld];
   const auto mask = MaskPolicy<true>::make(seq.seqlen_q, seq.seqlen_k, p.causal, p.window_left, p.window_right);
   CUTE_UNROLL
   for (int held = 0; held < kRowsHeld; ++held) {
-    const int r = kMma ? quad_row + 8 * held : held;
+    const int r = kMma ? quad_row + 8 * held : kWmma ? lane % 16 : held;
     const bool live = r < rows;
     const int i = live ? r / group : 0;
-    if constexpr (!kMma) {
+    if constexpr (!kTensorCores) {
       uint4 x = make_uint4(0, 0, 0, 0);
       if (live && col_ok)
         x = __ldg(reinterpret_cast<uint4 const*>(p.q.at<Element const>(seq.batch, head_of(r), seq.q_row0 + i) + col));
@@ -187,9 +216,9 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   const int per_split = ceil_div(chunks, p.num_splits);
   const int chunk_begin = min(split * per_split, chunks), chunk_end = min(chunk_begin + per_split, chunks);
 
-  float acc[kMma ? 1 : kRows][8];  // my part of O: my columns, summed over my keys
+  float acc[kTensorCores ? 1 : kRows][8];  // my part of O: my columns, summed over my keys
   CUTE_UNROLL
-  for (int r = 0; r < (kMma ? 1 : kRows); ++r) {
+  for (int r = 0; r < (kTensorCores ? 1 : kRows); ++r) {
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
   }
@@ -200,9 +229,39 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     CUTE_UNROLL
     for (int e = 0; e < 4; ++e) o_frag[n][e] = 0.f;
   }
+  // kWmma: O's accumulator tiles over my warp's keys (head dims 16 n on), holding p_scale times O; the row in its
+  // tile of each element of an accumulator fragment, learned from a tile of row numbers (WMMA does not specify the
+  // mapping; every accumulator fragment of the type shares it).
+  sm70::FragAcc o_acc[kWmma ? kHeadDim / 16 : 1];
+  int row_of[kWmma ? sm70::FragAcc::num_elements : 1];
+  const float p_scale = p.fp16_correction ? exp2f(sm70::kLoScaleLog2) : 1.f;  // sm70/wmma.cuh: P as hi' and lo
+  if constexpr (kWmma) {
+    auto& tiles = smem.tiles;
+    for (int idx = threadIdx.x; idx < 16 * (kHeadDim / 8); idx += Traits::kThreads) {  // Q's rows, zeros past them
+      const int r = idx / (kHeadDim / 8), c = idx % (kHeadDim / 8) * 8;
+      uint4 x = make_uint4(0, 0, 0, 0);
+      if (live(r) && c < p.head_dim) {
+        x = __ldg(
+            reinterpret_cast<uint4 const*>(p.q.at<Element const>(seq.batch, head_of(r), seq.q_row0 + r / group) + c));
+      }
+      *reinterpret_cast<uint4*>(&tiles.q[r][c]) = x;
+    }
+    float (&s)[16][Traits::kLdS] = tiles.warps[warp].s;
+    CUTE_UNROLL
+    for (int c = 0; c < 8; ++c) s[lane % 16][lane / 16 * 8 + c] = float(lane % 16);
+    __syncwarp();
+    sm70::FragAcc row_numbers;
+    nvcuda::wmma::load_matrix_sync(row_numbers, &s[0][0], Traits::kLdS, nvcuda::wmma::mem_row_major);
+    CUTE_UNROLL
+    for (int e = 0; e < sm70::FragAcc::num_elements; ++e) row_of[e] = int(row_numbers.x[e]);
+    CUTE_UNROLL
+    for (int n = 0; n < kHeadDim / 16; ++n) nvcuda::wmma::fill_fragment(o_acc[n], 0.f);
+    __syncthreads();  // Q's tile is whole (and my warp's scratch read)
+  }
   // Rows warp + j kWarps, in log2 units; with a single row, the row over my key slot's keys; with kMma, rows
-  // quad_row + 8 j over my warp's keys (the sums over my quad's columns only, until the end).
-  constexpr int kOwnRows = kMma ? 2 : Traits::kRowsPerWarp;
+  // quad_row + 8 j over my warp's keys (the sums over my quad's columns only, until the end); with kWmma, row
+  // lane % 16 over my warp's keys (the sum over my half of them, until the end).
+  constexpr int kOwnRows = kMma ? 2 : kWmma ? 1 : Traits::kRowsPerWarp;
   float m_own[kOwnRows], l_own[kOwnRows];
   CUTE_UNROLL
   for (int j = 0; j < kOwnRows; ++j) {
@@ -266,6 +325,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   if (kAsync && chunk_begin < chunk_end) locate(chunk_begin);
   CUTE_UNROLL
   for (int i = 0; i + 1 < kStages; ++i) fetch();
+  if constexpr (kWmma) fetch();  // the first chunk, stored to the tiles at the top of its pass
 
   // Row r's score of key `key` in log2 units, from their dot product: the softcap, ALiBi, then the mask (-inf where
   // r does not see the key: outside [begin, end)).
@@ -397,6 +457,100 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     }
   };
 
+  // My warp's part of a chunk with kWmma: its keys' K and V from my registers to its tiles, the next chunk's loads
+  // issued, S = Q K^T into the scratch, each row's running max and sum (lanes r and r + 16 take half of row r's
+  // keys each), P as hi' and lo in S's place, O rescaled by rows, then O += hi' V + lo V.
+  auto wmma_pass = [&](auto& tiles, int key0) {  // (generic: compiled only where it is called)
+    using namespace nvcuda;
+    constexpr int kLdKV = Traits::kLdKV, kLdS = Traits::kLdS, kWarpKeys = Traits::kWarpKeys;
+    auto& mine = tiles.warps[warp];
+    __syncwarp();  // my warp is done with its tiles' previous chunk
+    if (col < kHeadDim) {
+      CUTE_UNROLL
+      for (int s = 0; s < kSteps; ++s) {
+        *reinterpret_cast<uint4*>(&mine.k[s * kKeysPerStep + slot][col]) = stage_at(0, 0, s);
+        *reinterpret_cast<uint4*>(&mine.v[s * kKeysPerStep + slot][col]) = stage_at(0, 1, s);
+      }
+    }
+    fetch();  // the next chunk, into the registers just stored
+    __syncwarp();
+    auto const* q_tile = reinterpret_cast<__half const*>(&tiles.q[0][0]);
+    CUTE_UNROLL
+    for (int kb = 0; kb < kWarpKeys / 16; ++kb) {
+      sm70::FragAcc s_acc;
+      wmma::fill_fragment(s_acc, 0.f);
+      CUTE_UNROLL
+      for (int d = 0; d < kHeadDim / 16; ++d) {
+        sm70::FragA a;
+        sm70::FragBCol b;
+        wmma::load_matrix_sync(a, q_tile + 16 * d, kLdKV);
+        wmma::load_matrix_sync(b, reinterpret_cast<__half const*>(&mine.k[16 * kb][16 * d]), kLdKV);
+        wmma::mma_sync(s_acc, a, b, s_acc);
+      }
+      wmma::store_matrix_sync(&mine.s[0][16 * kb], s_acc, kLdS, wmma::mem_row_major);
+    }
+    __syncwarp();
+
+    constexpr int kHalf = kWarpKeys / 2;
+    const int r = lane % 16, half = lane / 16;
+    float x[kHalf];
+    float chunk_max = -INFINITY;
+    CUTE_UNROLL
+    for (int j = 0; j < kHalf; ++j) {
+      const int key = half * kHalf + j;
+      x[j] = score(mine.s[r][key], key0 + key, r, key_begin[0], key_end[0], slope[0]);
+      chunk_max = fmaxf(chunk_max, x[j]);
+    }
+    chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffff, chunk_max, 16));
+    const float m_new = fmaxf(m_own[0], chunk_max);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;  // nothing seen yet: P = 0
+    const float alpha = exp2_approx(m_own[0] - m_use);     // 0 while nothing was seen
+    const bool rescale = __any_sync(0xffffffff, m_new != m_own[0]);
+    l_own[0] *= alpha;
+    m_own[0] = m_new;
+    CUTE_UNROLL
+    for (int j = 0; j < kHalf; ++j) {
+      x[j] = exp2_approx(x[j] - m_use);
+      l_own[0] += x[j];
+    }
+    __syncwarp();  // S is read: P takes its place
+    __half* p_hi = reinterpret_cast<__half*>(&mine.s[0][0]);
+    __half* p_lo = p_hi + 16 * kLdS;
+    CUTE_UNROLL
+    for (int j = 0; j < kHalf; j += 8) {
+      float part[8];
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) part[e] = x[j + e];
+      const int at = r * kLdS + half * kHalf + j;
+      sm70::store_split<8>(part, p_scale, p_hi + at, p_lo + at);
+    }
+    if (half == 0) mine.alpha[r] = alpha;
+    __syncwarp();
+    if (rescale) {
+      float alpha_of[sm70::FragAcc::num_elements];
+      CUTE_UNROLL
+      for (int e = 0; e < sm70::FragAcc::num_elements; ++e) alpha_of[e] = mine.alpha[row_of[e]];
+      CUTE_UNROLL
+      for (int n = 0; n < kHeadDim / 16; ++n) {
+        CUTE_UNROLL
+        for (int e = 0; e < sm70::FragAcc::num_elements; ++e) o_acc[n].x[e] *= alpha_of[e];
+      }
+    }
+    CUTE_UNROLL
+    for (int kb = 0; kb < kWarpKeys / 16; ++kb) {
+      sm70::FragA hi, lo;
+      wmma::load_matrix_sync(hi, p_hi + 16 * kb, kLdS);
+      if (p.fp16_correction) wmma::load_matrix_sync(lo, p_lo + 16 * kb, kLdS);
+      CUTE_UNROLL
+      for (int n = 0; n < kHeadDim / 16; ++n) {
+        sm70::FragBRow b;
+        wmma::load_matrix_sync(b, reinterpret_cast<__half const*>(&mine.v[16 * kb][16 * n]), kLdKV);
+        wmma::mma_sync(o_acc[n], hi, b, o_acc[n]);
+        if (p.fp16_correction) wmma::mma_sync(o_acc[n], lo, b, o_acc[n]);
+      }
+    }
+  };
+
   // The chunk's pass of several rows on CUDA cores: the warps' scores through shared memory, each row's softmax by
   // the warp that owns it, then every warp's P V.
   auto shared_pass = [&](auto stage, int key0) {  // (generic: compiled only where it is called)
@@ -483,6 +637,10 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
   for (int chunk = chunk_begin; chunk < chunk_end; ++chunk) {
     const int key0 = key_lo + chunk * kChunk + warp_key0;
     const int stage = (chunk - chunk_begin) % kStages;
+    if constexpr (kWmma) {
+      wmma_pass(smem.tiles, key0);  // (which fetches the next chunk)
+      continue;
+    }
     if constexpr (kMma) __syncwarp();  // my warp's lanes are done with the stage that this fetch refills
     fetch();                           // chunk + kStages - 1, into the stage whose K and V the previous pass used up
     if constexpr (kAsync) cp_async_wait<kStages - 1>();
@@ -505,6 +663,8 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
       CUTE_UNROLL
       for (int o = 1; o <= 2; o *= 2) l_own[h] += __shfl_xor_sync(0xffffffff, l_own[h], o);
     }
+  } else if constexpr (kWmma) {  // lanes r and r + 16 summed half of row r's keys each
+    l_own[0] += __shfl_xor_sync(0xffffffff, l_own[0], 16);
   } else if constexpr (Traits::kOwnSoftmax) {  // the slots' statistics become the warp's: O, l rescaled to its max
     float m = m_own[0];
     CUTE_UNROLL
@@ -518,7 +678,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     m_own[0] = m;
   }
   CUTE_UNROLL
-  for (int r = 0; r < (kMma ? 0 : kRows); ++r) {
+  for (int r = 0; r < (kTensorCores ? 0 : kRows); ++r) {
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) {
       CUTE_UNROLL
@@ -543,6 +703,17 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
         smem.row_sum[warp * kRows + r] = l_own[h];
       }
     }
+  } else if constexpr (kWmma) {
+    CUTE_UNROLL
+    for (int n = 0; n < kHeadDim / 16; ++n) {
+      CUTE_UNROLL
+      for (int e = 0; e < sm70::FragAcc::num_elements; ++e) o_acc[n].x[e] /= p_scale;
+      nvcuda::wmma::store_matrix_sync(&smem.o_part[warp][0][16 * n], o_acc[n], kHeadDim, nvcuda::wmma::mem_row_major);
+    }
+    if (lane < 16) {
+      smem.row_max[warp * kRows + lane] = m_own[0];
+      smem.row_sum[warp * kRows + lane] = l_own[0];
+    }
   } else if (slot == 0 && col < kHeadDim) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -551,7 +722,7 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
     }
   }
   CUTE_UNROLL
-  for (int j = 0; j < (kMma ? 0 : Traits::kRowsPerWarp); ++j) {
+  for (int j = 0; j < (kTensorCores ? 0 : Traits::kRowsPerWarp); ++j) {
     const int r = Traits::kOwnSoftmax ? warp : warp + j * kWarps;  // a single row: the warp's statistics
     if (r < Traits::kStats && lane == 0) {
       smem.row_max[r] = m_own[j];
@@ -620,7 +791,7 @@ void run_decode(FwdParams const& p, cudaStream_t stream) {
     run(DecodeTraits<Element, kHeadDim, 1, kAsync>{});
   } else if (rows == kDecodeMaxRows) {
     run(DecodeTraits<Element, kHeadDim, kDecodeMaxRows, kAsync>{});
-  } else if constexpr (decode_mma(kHeadDim, kDecodeMaxMmaRows, kAsync)) {  // (decode_fits allows 16 only here)
+  } else if constexpr (decode_tensor_cores(kHeadDim, kDecodeMaxMmaRows, kAsync)) {  // (decode_fits allows 16 only here)
     run(DecodeTraits<Element, kHeadDim, kDecodeMaxMmaRows, kAsync>{});
   }
   if (p.num_splits > 1) merge_splits<Element, kHeadDim>(p, stream);
