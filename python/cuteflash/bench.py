@@ -58,9 +58,9 @@ OPTIONS = {
 }
 # Decoding (flash_attn_with_kvcache, 32 heads of 128, fp16): (batch, cached keys, queries per sequence), timed
 # beside SDPA's backends on the same keys, and as paged caches (pages of 16 and 256 rows); the cache read is also
-# given as a fraction of the GPU's copy bandwidth (a device-to-device copy, measured in the same run). The rows
-# with more queries (speculative decoding, chunked prefill; every query sees every key) run the tiled kernels, but
-# for 16 queries in the sm80 family, which runs them in the decoding kernel.
+# given as a fraction of the GPU's copy bandwidth (a device-to-device copy, measured in the same run). Of the rows
+# with more queries (speculative decoding, chunked prefill; every query sees every key), those of 16 run the
+# decoding kernel, those of 512 the tiled kernels.
 DECODE_SHAPES = [(1, 8192, 1), (1, 65536, 1), (8, 8192, 1), (32, 8192, 1), (1, 8192, 16), (8, 8192, 16), (1, 8192, 512)]
 DECODE_HEADS, DECODE_HEAD_DIM, DECODE_PAGES = 32, 128, (16, 256)
 # Per-call latency: the wall time of one call in a loop of back-to-back calls, host and GPU together (the timer

@@ -662,8 +662,8 @@ def flash_attn_with_kvcache(
 
     The masks are flash_attn_func's, with seqlen_k each sequence's number of keys (cache_seqlens[b] + seqlen_new,
     less cache_leftpad[b]): causal aligns the diagonal to the last key. When a handful of query rows share a
-    key/value head (seqlen_q x nheads / nheads_k <= 8, as in decoding; <= 16 at head dims up to 128 on sm80
-    GPUs), a kernel built for reading the cache runs; more rows run the tiled kernels of flash_attn_func.
+    key/value head (seqlen_q x nheads / nheads_k <= 16 at head dims up to 128, <= 8 above, as in decoding), a
+    kernel built for reading the cache runs; more rows run the tiled kernels of flash_attn_func.
     Either splits the keys across thread blocks when the batch, heads (and query tiles) alone would leave the GPU
     idle; the splits' results are merged by their log-sum-exp, in a fixed order (the result does not depend on
     timing). No host synchronisation and launch shapes that depend on sizes only: the call can be captured in a
