@@ -182,3 +182,34 @@ def test_peers_choose_the_backends_timed(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--peers", "flash,fastest"])  # refused before any GPU work
     assert "unknown backend(s) fastest" in capsys.readouterr().err
+
+
+def fake_ring_result(dk_err=1e-3):
+    step = {"function": "zigzag_ring_flash_attn_func", "causal": True, "tokens_per_gpu": 8192}
+    step.update({"one_gpu_ms": 2.0, "two_gpus_ms": 4.2, "flash_attn_func_all_tokens_ms": 8.0})
+    long = {"tokens": 131072, "heads": 8, "head_dim": 128, "two_gpus_ms": 500.0, "peak_gib_per_gpu": 1.5}
+    long["math_backend_one_gpu"] = "CUDA out of memory. Tried to allocate 256.00 GiB"
+    long["errors"] = {"out": [1e-3, 1e-3], "dk": [dk_err, 1e-3]}
+    return {"steps": [step], "long": long}
+
+
+def test_ring_suite_tables_and_verdict():
+    from cuteflash import bench_ring
+
+    (_, steps), (long_title, long) = bench_ring.tables(fake_ring_result())
+    assert steps[1][3:] == ["2.00", "4.20", "2.10", "8.00"]  # 1 GPU, 2 GPUs, their ratio, all tokens on 1 GPU
+    assert "256.00 GiB" in long_title and [row[-1] for row in long[1:]] == ["ok", "ok"]
+    assert long[1][3] == "PyTorch bf16" and long[2][3] == "flash_attn_func, 1 GPU"
+    assert bench_ring.passed(fake_ring_result(dk_err=2.005e-3))  # within 2 x 1e-3 + 1e-5
+    assert not bench_ring.passed(fake_ring_result(dk_err=2.02e-3))
+    assert bench_ring.tables(fake_ring_result(dk_err=2.02e-3))[1][1][2][-1] == "FAILED"
+
+
+def test_ring_suite_shards_and_needs(monkeypatch):
+    from cuteflash import bench_ring
+
+    assert bench_ring.zigzag_positions(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert bench_ring.zigzag_positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert bench_ring.why_not() == "needs 2 GPUs, 1 visible"
+    assert bench.parse_args(["--suite", "ring"]).suite == "ring"

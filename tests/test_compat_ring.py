@@ -1,57 +1,40 @@
-"""ring-flash-attn on the flash-attn compatibility package, at world size 1 (one process, one GPU, an NCCL process
-group over a FileStore): ring_flash_attn_func and zigzag_ring_flash_attn_func, and the variable-length ring and llama3
-functions (axolotl's sequence parallelism), against the float64 reference, forward and backward, with the 2x rule.
-They call flash_attn.flash_attn_interface's private functions for the blocks' outputs and log-sum-exps."""
+"""ring-flash-attn on the flash-attn compatibility package: ring_flash_attn_func and zigzag_ring_flash_attn_func,
+and the variable-length ring, zigzag and llama3 functions (axolotl's sequence parallelism), against the float64
+reference, forward and backward, with the 2x rule. They call flash_attn.flash_attn_interface's private functions for
+the blocks' outputs and log-sum-exps, and torch.distributed (NCCL) for the rest.
+
+At world size 1 (one process, one GPU, an NCCL group over a FileStore) and, where two GPUs are visible, at world
+size 2: two processes, one GPU each, each holding its shard of the sequences, checked against attention on the whole
+sequences."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import datetime
 import itertools
-import sys
-import types
+import json
+import zlib
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from cuteflash.bench_ring import WORLD, import_ring_flash_attn, why_not
 from cuteflash.reference import attention_ref
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float16, torch.bfloat16]
-FUNCTIONS = {
-    "ring_flash_attn": ["ring_flash_attn_func"],
-    "zigzag_ring_flash_attn": ["zigzag_ring_flash_attn_func"],
-    "ring_flash_attn_varlen": ["ring_flash_attn_varlen_func"],
-    "llama3_flash_attn_varlen": ["llama3_flash_attn_varlen_func", "llama3_flash_attn_prepare_cu_seqlens"],
-}
-
-
-def _import_ring_flash_attn():
-    spec = importlib.util.find_spec("ring_flash_attn")
-    if spec is None:
-        pytest.skip("ring-flash-attn is not installed")
-    try:
-        return importlib.import_module("ring_flash_attn")
-    except ImportError:
-        # ring-flash-attn 0.1.8's __init__ imports its transformers adapter, which imports a function that
-        # transformers 5 removed; the attention functions do not need the adapter, so load their modules alone.
-        package = types.ModuleType("ring_flash_attn")
-        package.__path__ = list(spec.submodule_search_locations)
-        sys.modules["ring_flash_attn"] = package
-        for module, names in FUNCTIONS.items():
-            loaded = importlib.import_module(f"ring_flash_attn.{module}")
-            for name in names:
-                setattr(package, name, getattr(loaded, name))
-        return package
 
 
 @pytest.fixture(scope="module")
 def ring(flash_attn_compat, tmp_path_factory):
     """ring_flash_attn, with a default NCCL process group of one rank: alone, the ring functions still send their
     dK and dV to themselves, and the llama3 ones gather and reduce-scatter, on the GPU (which gloo does not)."""
-    module = _import_ring_flash_attn()
+    module = import_ring_flash_attn()
+    if module is None:
+        pytest.skip("ring-flash-attn is not installed")
     if not dist.is_nccl_available():
         pytest.skip("torch.distributed has no NCCL")
     torch.cuda.set_device(0)
@@ -153,3 +136,165 @@ def test_llama3_flash_attn_varlen_func(dtype, heads_k_stride, ring, make_qkv, as
         )
 
     _check(fn, q, k, v, True, assert_close_2x, lengths=lengths)
+
+
+# ---- World size 2: two processes, one GPU each, over NCCL.
+
+# Multiples of 2 * WORLD: the zigzag functions cut each sequence into 2 * WORLD equal chunks, the ring ones into WORLD.
+SHARD_LENGTHS = [200, 16, 460, 96]
+SHARD_SEQLEN = 1024  # the fixed-length functions: batch 2 of this many tokens
+
+
+DTYPE_NAMES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class RingCase(NamedTuple):
+    function: str  # ring-flash-attn's
+    dtype: str
+    causal: bool
+    head_dim: int = 64
+    heads_k_stride: int = 1  # llama3 only
+
+    @property
+    def id(self) -> str:
+        mask = "causal" if self.causal else "full"
+        stride = f"-stride{self.heads_k_stride}" if self.function.startswith("llama3") else ""
+        return f"{self.function}-{self.dtype}-{mask}-d{self.head_dim}{stride}"
+
+
+TWO_GPU_CASES = [
+    *(RingCase("ring_flash_attn_func", dt, c) for dt in DTYPE_NAMES for c in (False, True)),
+    *(RingCase("zigzag_ring_flash_attn_func", dt, True, d) for dt in DTYPE_NAMES for d in (64, 128)),
+    *(RingCase("ring_flash_attn_varlen_func", dt, c) for dt in DTYPE_NAMES for c in (False, True)),
+    *(RingCase("zigzag_ring_flash_attn_varlen_func", dt, True) for dt in DTYPE_NAMES),
+    *(
+        RingCase("llama3_flash_attn_varlen_func", dt, c, 64, s)
+        for dt in DTYPE_NAMES
+        for c in (False, True)
+        for s in (1, 2)
+    ),
+]
+# The functions that return dq rounded to bfloat16 whatever the input dtype (ring-flash-attn's own code).
+DQ_VIA_BF16 = {"ring_flash_attn_func", "ring_flash_attn_varlen_func"}
+
+
+def _positions(lengths, pieces, picks):
+    """The token positions a rank holds, in its order: each sequence (of these lengths, one after another) cut into
+    `pieces` equal chunks, and the chunks `picks` of each."""
+    held, start = [], 0
+    for n in lengths:
+        size = n // pieces
+        held += [torch.arange(start + p * size, start + (p + 1) * size) for p in picks]
+        start += n
+    return torch.cat(held).cuda()
+
+
+def _shard_call(ring, case: RingCase, rank: int, lengths):
+    """(positions, fn): the token positions rank holds of the whole sequences, and fn(q, k, v) -> (out, lse, None)
+    calling the case's function on them."""
+    fn = getattr(ring, case.function)
+    kwargs = {"causal": case.causal, "return_attn_probs": True}
+    if case.function.startswith("llama3"):  # the packed tokens cut into WORLD slices, whatever the sequences
+        cu_seqlens = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+        args = ring.llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, case.causal, rank, WORLD)
+        args = (*args[:4], case.heads_k_stride, args[4])  # cu_q, cu_k, max_q, max_k, heads_k_stride, k_slice
+        return _positions([sum(lengths)], WORLD, [rank]), lambda q, k, v: fn(q, k, v, *args, **kwargs)
+    if "zigzag" in case.function:
+        positions = _positions(lengths, 2 * WORLD, [rank, 2 * WORLD - 1 - rank])
+    else:
+        positions = _positions(lengths, WORLD, [rank])
+    args = ()
+    if "varlen" in case.function:  # the local lengths: each sequence's share of this rank
+        local = [n // WORLD for n in lengths]
+        args = (torch.tensor([0, *local], device="cuda").cumsum(0).to(torch.int32), max(local))
+    return positions, lambda q, k, v: fn(q, k, v, *args, **kwargs)
+
+
+def _whole_reference(q, k, v, dout, lengths, causal, compute_dtype, varlen):
+    """out, lse and [dq, dk, dv] of the reference attention on the whole sequences: q, k, v (batch, seqlen, ...), or
+    with varlen (total, ...) holding sequences of these lengths (lse then (nheads, total))."""
+    if not varlen:
+        return _reference(q, k, v, dout, compute_dtype, causal)
+    pieces = [
+        _reference(*(t[a : a + n].unsqueeze(0) for t in (q, k, v, dout)), compute_dtype, causal)
+        for a, n in zip(itertools.accumulate([0, *lengths]), lengths)
+    ]
+    out = torch.cat([o[0] for o, _, _ in pieces])
+    lse = torch.cat([lse[0] for _, lse, _ in pieces], dim=1)
+    grads = [torch.cat([g[i][0] for _, _, g in pieces]) for i in range(3)]
+    return out, lse, grads
+
+
+def _check_shard(ring, case: RingCase, rank: int, assert_close_2x) -> None:
+    """The case on this rank's shard, against the reference on the whole sequences (the same on every rank: the
+    inputs are drawn from one seed)."""
+    dtype = DTYPE_NAMES[case.dtype]
+    varlen = "varlen" in case.function
+    lengths = SHARD_LENGTHS if varlen else [SHARD_SEQLEN]
+    shape = (sum(lengths),) if varlen else (2, SHARD_SEQLEN)
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.id.encode()))
+    q, k, v, dout = (
+        torch.randn(*shape, heads, case.head_dim, device="cuda", dtype=dtype, generator=g) for heads in (8, 2, 2, 8)
+    )
+    positions, fn = _shard_call(ring, case, rank, lengths)
+    seq = 0 if varlen else 1  # the sequence dim of q, k, v; lse's is the last
+
+    def mine(t):
+        return t.index_select(seq, positions)
+
+    leaves = [mine(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse, _ = fn(*leaves)
+    out.backward(mine(dout))
+    results = [out, lse, *(t.grad for t in leaves)]
+    ref = _whole_reference(q, k, v, dout, lengths, case.causal, torch.float64, varlen)
+    pt = list(_whole_reference(q, k, v, dout, lengths, case.causal, dtype, varlen))
+    if case.function in DQ_VIA_BF16:
+        pt[2][0] = pt[2][0].to(torch.bfloat16).to(dtype)
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, got, r, p in zip(names, results, (ref[0], ref[1], *ref[2]), (pt[0], pt[1], *pt[2])):
+        pick = (lambda t: t.index_select(-1, positions)) if name == "lse" else mine
+        if name != "lse":
+            assert got.dtype == dtype, f"{name}: dtype {got.dtype}"
+        assert_close_2x(name, got, pick(r), pick(p))
+
+
+def _two_gpu_worker(rank: int, store_path: str, results_dir: str) -> None:
+    """One rank: every case of TWO_GPU_CASES on GPU `rank`, its outcome (None, or the failure) written to
+    results_dir/rank<rank>.json. An error outside the checks ends the process, and mp.spawn reports it."""
+    from conftest import _assert_close_2x  # this test folder's conftest: the 2x rule
+
+    torch.cuda.set_device(rank)
+    store = dist.FileStore(store_path, WORLD)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=2))
+    try:
+        ring = import_ring_flash_attn()
+        outcomes = {}
+        for case in TWO_GPU_CASES:
+            try:
+                _check_shard(ring, case, rank, _assert_close_2x)
+                outcomes[case.id] = None
+            except AssertionError as e:
+                outcomes[case.id] = f"rank {rank}: {e}"
+            dist.barrier()
+        (Path(results_dir) / f"rank{rank}.json").write_text(json.dumps(outcomes))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_gpu_outcomes(flash_attn_compat, tmp_path_factory):
+    """{case id: [outcome of rank 0, of rank 1]}: the cases run once, by two processes (torch.multiprocessing.spawn)."""
+    reason = why_not()
+    if reason is not None:
+        pytest.skip(reason)
+    folder = tmp_path_factory.mktemp("ring2")
+    torch.multiprocessing.spawn(_two_gpu_worker, args=(str(folder / "store"), str(folder)), nprocs=WORLD)
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return {case.id: [outcomes[case.id] for outcomes in ranks] for case in TWO_GPU_CASES}
+
+
+@pytest.mark.parametrize("case", TWO_GPU_CASES, ids=lambda case: case.id)
+def test_two_gpus(case, two_gpu_outcomes):
+    """The function over two GPUs, each rank's out, lse, dq, dk and dv against the whole sequences' reference."""
+    failures = [f for f in two_gpu_outcomes[case.id] if f is not None]
+    assert not failures, "\n".join(failures)

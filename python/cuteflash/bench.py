@@ -39,6 +39,7 @@ SUITES = {
     "options": [],  # OPTIONS_SHAPE only
     "decode": [],  # DECODE_SHAPES only
     "latency": [],  # LATENCY_SHAPES only
+    "ring": [],  # bench_ring.py: context parallelism over two GPUs (ring-flash-attn)
 }
 QUICK_SHAPES = [(1, 4, 256, 64), (1, 16, 1024, 128)]
 # Variable-length batches (flash_attn_varlen_func), causal. "mixed": lengths drawn uniformly from 128-4096 up
@@ -875,6 +876,23 @@ def _progress(items, total: int):
         yield item
 
 
+def _ring_suite(args) -> int:
+    """--suite ring: bench_ring.py's tables; 1 where the long sequence fails its checks, 2 where it cannot run."""
+    from . import bench_ring
+
+    reason = bench_ring.why_not()
+    if reason is not None:
+        print(f"cuteflash.bench: the ring suite {reason}", file=sys.stderr)
+        return 2
+    result = bench_ring.run(min(args.repeats, 10))
+    for title, rows in bench_ring.tables(result):
+        print("\n" + format_rows(title, rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ring": result}, f, indent=1)
+    return 0 if bench_ring.passed(result) else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot:
@@ -926,6 +944,8 @@ def main(argv=None) -> int:
     latency_runs = args.suite in ("default", "latency") and any(
         kernel_head_dim(shape[3], args.head_dims) for shape, _ in LATENCY_SHAPES
     )
+    if args.suite == "ring":
+        return _ring_suite(args)
     if not cases and not varlen_runs and not options_runs and not decode_runs and not latency_runs:
         print("cuteflash.bench: this build serves none of the requested head dims", file=sys.stderr)
         return 2
