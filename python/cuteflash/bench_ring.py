@@ -74,10 +74,11 @@ def zigzag_positions(tokens: int, rank: int, world: int):
 def why_not() -> str | None:
     """Why the suite cannot run here, or None."""
     import torch
+    import torch.distributed as dist
 
     if torch.cuda.device_count() < WORLD:
         return f"needs {WORLD} GPUs, {torch.cuda.device_count()} visible"
-    if not torch.distributed.is_available() or not torch.distributed.is_nccl_available():
+    if not dist.is_available() or not dist.is_nccl_available():
         return "torch.distributed has no NCCL"
     if import_ring_flash_attn() is None:
         return "ring-flash-attn is not installed (pip install ring-flash-attn)"
@@ -194,8 +195,9 @@ def _math_backend_message(q, k, v) -> str:
 
 
 def _long_sequence(ring, rank: int) -> dict:
-    """LONG_TOKENS causal tokens split across the GPUs with zigzag ring attention: its step time and peak memory per
-    GPU, and each output's max error on this rank's tokens (the rank's own, PyTorch's or one GPU's)."""
+    """LONG_TOKENS causal tokens split across the GPUs with zigzag ring attention: its step time, its peak memory per
+    GPU, and each output's max error against the float64 reference beside its peer's (PyTorch in bf16 for out, lse and
+    dq; flash_attn_func on one GPU for dk and dv), the largest over the ranks' tokens."""
     import torch
     import torch.distributed as dist
 
