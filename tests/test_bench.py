@@ -208,8 +208,10 @@ def test_ring_suite_tables_and_verdict():
 def test_ring_suite_shards_and_needs(monkeypatch):
     from cuteflash import bench_ring
 
-    assert bench_ring.zigzag_positions(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
-    assert bench_ring.zigzag_positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert bench_ring.zigzag_positions([16], 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert bench_ring.zigzag_positions([16], 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert bench_ring.zigzag_positions([8, 4], 1, 2).tolist() == [2, 3, 4, 5, 9, 10]
+    assert bench_ring.shard_positions([6, 4], 2, [1]).tolist() == [3, 4, 5, 8, 9]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert bench_ring.why_not() == "needs 2 GPUs, 1 visible"
     assert bench.parse_args(["--suite", "ring"]).suite == "ring"

@@ -20,12 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cuteflash.bench_ring import WORLD, import_ring_flash_attn, why_not
+from cuteflash.bench_ring import WORLD, import_ring_flash_attn, shard_positions, why_not, zigzag_positions
 from cuteflash.reference import attention_ref
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = [torch.float16, torch.bfloat16]
+DTYPE_NAMES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = list(DTYPE_NAMES.values())
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +107,7 @@ def test_zigzag_ring_flash_attn_func(dtype, head_dim, ring, make_qkv, assert_clo
 def _packed(lengths, dtype, make_qkv):
     """q, k, v (total, nheads, d) of sequences of these lengths, and their offsets."""
     q, k, v = (t[0] for t in make_qkv(1, sum(lengths), sum(lengths), 8, 2, 64, dtype))
-    cu_seqlens = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
-    return q, k, v, cu_seqlens
+    return q, k, v, _cu_seqlens(lengths)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
@@ -145,9 +145,6 @@ SHARD_LENGTHS = [200, 16, 460, 96]
 SHARD_SEQLEN = 1024  # the fixed-length functions: batch 2 of this many tokens
 
 
-DTYPE_NAMES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 class RingCase(NamedTuple):
     function: str  # ring-flash-attn's
     dtype: str
@@ -178,15 +175,9 @@ TWO_GPU_CASES = [
 DQ_VIA_BF16 = {"ring_flash_attn_func", "ring_flash_attn_varlen_func"}
 
 
-def _positions(lengths, pieces, picks):
-    """The token positions a rank holds, in its order: each sequence (of these lengths, one after another) cut into
-    `pieces` equal chunks, and the chunks `picks` of each."""
-    held, start = [], 0
-    for n in lengths:
-        size = n // pieces
-        held += [torch.arange(start + p * size, start + (p + 1) * size) for p in picks]
-        start += n
-    return torch.cat(held).cuda()
+def _cu_seqlens(lengths):
+    """int32 offsets of sequences of these lengths, one after another, on the GPU."""
+    return torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
 
 
 def _shard_call(ring, case: RingCase, rank: int, lengths):
@@ -195,18 +186,17 @@ def _shard_call(ring, case: RingCase, rank: int, lengths):
     fn = getattr(ring, case.function)
     kwargs = {"causal": case.causal, "return_attn_probs": True}
     if case.function.startswith("llama3"):  # the packed tokens cut into WORLD slices, whatever the sequences
-        cu_seqlens = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
-        args = ring.llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, case.causal, rank, WORLD)
+        args = ring.llama3_flash_attn_prepare_cu_seqlens(_cu_seqlens(lengths), case.causal, rank, WORLD)
         args = (*args[:4], case.heads_k_stride, args[4])  # cu_q, cu_k, max_q, max_k, heads_k_stride, k_slice
-        return _positions([sum(lengths)], WORLD, [rank]), lambda q, k, v: fn(q, k, v, *args, **kwargs)
+        return shard_positions([sum(lengths)], WORLD, [rank]).cuda(), lambda q, k, v: fn(q, k, v, *args, **kwargs)
     if "zigzag" in case.function:
-        positions = _positions(lengths, 2 * WORLD, [rank, 2 * WORLD - 1 - rank])
+        positions = zigzag_positions(lengths, rank, WORLD).cuda()
     else:
-        positions = _positions(lengths, WORLD, [rank])
+        positions = shard_positions(lengths, WORLD, [rank]).cuda()
     args = ()
     if "varlen" in case.function:  # the local lengths: each sequence's share of this rank
         local = [n // WORLD for n in lengths]
-        args = (torch.tensor([0, *local], device="cuda").cumsum(0).to(torch.int32), max(local))
+        args = (_cu_seqlens(local), max(local))
     return positions, lambda q, k, v: fn(q, k, v, *args, **kwargs)
 
 

@@ -62,13 +62,23 @@ def import_ring_flash_attn():
         return package
 
 
-def zigzag_positions(tokens: int, rank: int, world: int):
-    """The token positions zigzag ring attention gives rank (on the CPU): chunks rank and 2 * world - 1 - rank of
-    2 * world equal chunks."""
+def shard_positions(lengths, pieces: int, picks):
+    """The token positions a rank holds, in its order (on the CPU): each sequence (of these lengths, one after
+    another) cut into `pieces` equal chunks, and the chunks `picks` of each."""
     import torch
 
-    size = tokens // (2 * world)
-    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in (rank, 2 * world - 1 - rank)])
+    held, start = [], 0
+    for n in lengths:
+        size = n // pieces
+        held += [torch.arange(start + p * size, start + (p + 1) * size) for p in picks]
+        start += n
+    return torch.cat(held)
+
+
+def zigzag_positions(lengths, rank: int, world: int):
+    """The token positions zigzag ring attention gives rank: chunks rank and 2 * world - 1 - rank of 2 * world equal
+    chunks of each sequence."""
+    return shard_positions(lengths, 2 * world, [rank, 2 * world - 1 - rank])
 
 
 def why_not() -> str | None:
@@ -209,7 +219,7 @@ def _long_sequence(ring, rank: int) -> dict:
     result = {"tokens": LONG_TOKENS, "heads": LONG_HEADS, "head_dim": LONG_HEAD_DIM}
     if rank == 0:
         result["math_backend_one_gpu"] = _math_backend_message(q, k, v)
-    positions = zigzag_positions(LONG_TOKENS, rank, WORLD).cuda()
+    positions = zigzag_positions([LONG_TOKENS], rank, WORLD).cuda()
 
     def mine(t):
         return t.index_select(1, positions)
