@@ -342,7 +342,7 @@ void fwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
          uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k, int window_left, int window_right, float softcap,
          uintptr_t alibi_slopes, int alibi_batch_stride, double dropout_p, uintptr_t rng_state,
          std::optional<Cache> const& cache_arg, bool decode, int num_splits, uintptr_t o_accum, uintptr_t lse_accum,
-         int64_t accum_floats) {
+         int64_t accum_floats, uintptr_t split_counters) {
   const Cache cache = cache_arg.value_or(Cache{});
   const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
   const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, dropout_p, rng_state};
@@ -369,6 +369,10 @@ void fwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
     require(accum_floats >= rows * round_up_head_dim(head_dim), "o_accum is smaller than fwd_plan says");
     p.o_accum = reinterpret_cast<float*>(o_accum);
     p.lse_accum = reinterpret_cast<float*>(lse_accum);
+    // (batch x nheads_k zeros, left zero: the caller keeps them per stream; params.h)
+    require(split_counters % 4 == 0 && (split_counters == 0 || decode),
+            "split_counters: aligned int32 counters, for the decoding kernel only");
+    p.split_counters = reinterpret_cast<int*>(split_counters);
   }
   FwdFn launch = decode ? require_kernel(find_decode, family, "decoding", DType(dtype_code), head_dim)
                         : require_kernel(find_fwd, family, "forward", DType(dtype_code), head_dim);
@@ -570,8 +574,8 @@ void def_launcher(py::module_& m, char const* name, Func func, Own&&... own) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "cuteflash kernels; call them through cuteflash.flash_attn_func, not directly";
   def_launcher(m, "fwd", &cuteflash::fwd, py::arg("cache") = py::none(), py::arg("decode") = false,
-               py::arg("num_splits") = 1, py::arg("o_accum") = 0, py::arg("lse_accum") = 0,
-               py::arg("accum_floats") = 0);
+               py::arg("num_splits") = 1, py::arg("o_accum") = 0, py::arg("lse_accum") = 0, py::arg("accum_floats") = 0,
+               py::arg("split_counters") = 0);
   m.def("fwd_plan", &cuteflash::fwd_plan, py::arg("family"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
         py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("varlen"), py::arg("dropout"),
         py::arg("cache"), py::arg("num_splits"),

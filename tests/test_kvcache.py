@@ -4,6 +4,8 @@ kernels behind it (the decoding kernel for a few query rows per key-value head, 
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -146,6 +148,50 @@ def test_every_split_count(nheads_k, rows, require_head_dim, assert_close_2x):
         assert_close_2x(f"num_splits={splits}", out, out_ref, out_pt)
         again = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, num_splits=splits)
         assert torch.equal(out, again), f"num_splits={splits}: two runs differ"
+
+
+def test_split_counters_per_stream(require_head_dim):
+    """The decoding kernel's last split merges the splits, counting them in per-stream counters that each call leaves
+    zero: calls of several sizes (one needs more counters than the first calls made) and split counts in turn, and
+    calls on two streams at once, give the bits of the same calls made one at a time; a call captured in a CUDA
+    graph (its splits merged by a kernel of their own) gives the same bits as well."""
+    from cuteflash import _ops
+
+    require_head_dim(128)
+    _ops._split_counters.clear()
+    calls = []
+    for batch, nheads_k, rows, splits in ((2, 8, 1000, 0), (2, 16, 700, 7), (2, 520, 64, 2), (1, 2, 4096, 128)):
+        q, k_cache, v_cache, seqlens = _decode_inputs(batch=batch, rows=rows, nheads=nheads_k, nheads_k=nheads_k)
+        kwargs = dict(cache_seqlens=seqlens, num_splits=splits, return_softmax_lse=True)
+        calls.append(partial(flash_attn_with_kvcache, q, k_cache, v_cache, **kwargs))
+    expected = [call() for call in calls]
+    for _ in range(3):
+        for call, (out, lse) in zip(calls, expected):
+            got, got_lse = call()
+            assert torch.equal(got, out) and torch.equal(got_lse, lse)
+
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    results = [[], []]
+    for _ in range(4):
+        for which, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                results[which] += [call() for call in calls[which::2]]
+    for stream in streams:
+        torch.cuda.current_stream().wait_stream(stream)
+    for which in range(2):
+        for (got, got_lse), (out, lse) in zip(results[which], expected[which::2] * 4):
+            assert torch.equal(got, out) and torch.equal(got_lse, lse)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = calls[1]()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], expected[1][0]) and torch.equal(captured[1], expected[1][1])
+    assert len(_ops._split_counters) == 3, "one set of counters per stream"
+    assert all(not c.any() for c in _ops._split_counters.values()), "counters left nonzero"
 
 
 def _check_split_counts(q, k_cache, v_cache, cache_seqlens, options, page, counts, assert_close_2x):

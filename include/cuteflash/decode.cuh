@@ -31,6 +31,11 @@
 
 namespace cuteflash {
 
+// The splits whose parts a warp of the last split reads at once when it merges them (split_merge.cuh): 16, what a
+// single query row over 32 key-value heads gets on an H100 (more take several rounds of loads). The single-row
+// kernel keeps 128 registers per thread with it, so 4 blocks still fit an SM.
+constexpr int kDecodeMergeInFlight = 16;
+
 template <typename Element_, int kHeadDim_, int kRows_, bool kAsync_>
 struct DecodeTraits {
   using Element = Element_;
@@ -775,6 +780,28 @@ __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParam
       if (c == 0) p.lse_accum[row] = lse;
     }
   }
+
+  // ---- With split_counters, the last split of this (sequence, key-value head) to finish merges its rows: each
+  // split's parts are made visible device-wide before it counts itself in, and the last one sets the count back
+  // to zero for the next call on the stream (no other split of this call touches it again).
+  if (p.num_splits > 1 && p.split_counters != nullptr) {
+    __threadfence();
+    __syncthreads();                // (every thread's parts are written and fenced; o_part is no longer read)
+    float& last = smem.row_max[0];  // 1: this split is the last
+    if (threadIdx.x == 0) {
+      int* counter = p.split_counters + blockIdx.z * gridDim.y + blockIdx.y;
+      const bool is_last = atomicAdd(counter, 1) == p.num_splits - 1;
+      if (is_last) *counter = 0;
+      last = is_last ? 1.f : 0.f;
+    }
+    __syncthreads();
+    if (last != 0.f) {
+      __threadfence();  // the other splits' parts, counted in before my count, are read after it
+      for (int r = warp; r < rows; r += kWarps) {
+        merge_split_row<Element, kHeadDim, kDecodeMergeInFlight>(p, seq.batch, head_of(r), r / group, lane);
+      }
+    }
+  }
 }
 
 // Host side: the decoding kernel for p (seqlen_q x group <= kDecodeMaxRows, a fixed-length batch), then the merge
@@ -794,7 +821,7 @@ void run_decode(FwdParams const& p, cudaStream_t stream) {
   } else if constexpr (decode_tensor_cores(kHeadDim, kDecodeMaxMmaRows, kAsync)) {  // (decode_fits allows 16 only here)
     run(DecodeTraits<Element, kHeadDim, kDecodeMaxMmaRows, kAsync>{});
   }
-  if (p.num_splits > 1) merge_splits<Element, kHeadDim>(p, stream);
+  if (p.num_splits > 1 && p.split_counters == nullptr) merge_splits<Element, kHeadDim>(p, stream);
 }
 
 }  // namespace cuteflash

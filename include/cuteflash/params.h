@@ -104,10 +104,13 @@ struct FwdParams {
   // A split of the keys (flash-decoding; the decoding kernel, and the tiled kernels of KV-cache calls: a
   // fixed-length batch): with num_splits > 1 each split writes its O, divided by its own row sums, to o_accum
   // (num_splits, batch, nheads, seqlen_q, kernel head dim) and its log-sum-exp to lse_accum (num_splits, batch,
-  // nheads, seqlen_q), fp32; a second kernel merges them into o and lse (split_merge.cuh).
+  // nheads, seqlen_q), fp32; a second kernel merges them into o and lse (split_merge.cuh). With split_counters
+  // (the decoding kernel only: batch x nheads_k ints, zero), the last split of each (sequence, key-value head)
+  // merges them instead, and leaves its counter zero again.
   int num_splits;
   float* o_accum;
   float* lse_accum;
+  int* split_counters;
 };
 
 // Appending new keys and values to a KV cache (flash_attn_with_kvcache's k and v): row t of sequence b goes to

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import NamedTuple
 
 import torch
@@ -70,6 +71,27 @@ def _stream(device: torch.device) -> int:
     if _raw_stream is not None:
         return _raw_stream(device.index)
     return torch.cuda.current_stream(device).cuda_stream
+
+
+# The decoding kernel's split counters (params.h's split_counters) per (device, stream): int32 zeros that every
+# call leaves zero, with which the last split of each sequence and key-value head merges the splits itself (no
+# second launch). Calls on one stream run in order, and each stream has its own. A call captured in a CUDA graph
+# gets none, since the graph may be replayed on another stream beside calls on this one: its splits are merged by a
+# kernel of their own, with the same arithmetic.
+_split_counters: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
+def _counters(device: torch.device, stream: int, count: int) -> int:
+    """The address of `count` split counters for calls on `stream`, or 0 while the stream is being captured."""
+    if device.index != _current_device() or torch.cuda.is_current_stream_capturing():
+        return 0  # (capture is known for the current device's stream; another device's call merges in a kernel)
+    # (cudaStreamPerThread, handle 2, is a different stream in each thread)
+    key = (device.index, stream, threading.get_ident() if stream == 2 else 0)
+    counters = _split_counters.get(key)
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _split_counters[key] = counters
+    return counters.data_ptr()
 
 
 def _fp16_correction(family: str) -> bool:
@@ -286,7 +308,8 @@ def fwd_impl(
     problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options, sizes, seqlen_k)
     o_accum = 0 if accum is None else accum.data_ptr()
     lse_accum = 0 if accum is None else o_accum + 4 * o_accum_floats
-    _launch(q.device, C.fwd, *problem, cache_arg, decode, splits, o_accum, lse_accum, o_accum_floats)
+    counters = _counters(q.device, _stream(q.device), batch * nheads_k) if decode and splits > 1 else 0
+    _launch(q.device, C.fwd, *problem, cache_arg, decode, splits, o_accum, lse_accum, o_accum_floats, counters)
     return out, lse
 
 
