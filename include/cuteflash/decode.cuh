@@ -124,15 +124,14 @@ __device__ __forceinline__ Element const* chunk_ptr(Operand const& t, KeyRow con
   return t.at<Element const>(r.batch, head_k, r.row) + col;
 }
 
-// dst = those 16 bytes where ok, else zeros: asynchronously (cp.async, waited for by the thread itself) with kAsync,
-// else a register load.
+// dst = those 16 bytes where ok, else zeros: asynchronously (cp.async, waited for by the thread itself, the cache
+// read once: utils.cuh) with kAsync, else a register load.
 template <bool kAsync, typename Element>
 __device__ __forceinline__ void fetch_chunk(uint4& dst, Operand const& t, KeyRow const& r, bool ok, int head_k,
                                             int col) {
   if constexpr (kAsync) {
     Element const* src = ok ? chunk_ptr<Element>(t, r, head_k, col) : static_cast<Element const*>(t.ptr);
-    cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(*reinterpret_cast<cute::uint128_t const*>(src),
-                                                                 *reinterpret_cast<cute::uint128_t*>(&dst), ok);
+    cp_async_read_once(&dst, src, ok);
   } else {
     dst = ok ? __ldg(reinterpret_cast<uint4 const*>(chunk_ptr<Element>(t, r, head_k, col))) : make_uint4(0, 0, 0, 0);
   }
