@@ -244,9 +244,8 @@ bool decode_fits(int head_dim, int seqlen_q, int nheads, int nheads_k, bool varl
 // sm70 family, fewer where the shared memory holds fewer; on tensor cores, at least kMinKeysPerSplit keys per split
 // (with few key-value heads, filling the GPU would leave a split a chunk or two of keys, less than its fp32 part and
 // merge cost). Several rows' registers allow no more than two. For a single row in the sm80 family, two blocks per SM
-// read the cache faster than four on an H100: 1 x 1 x 65536 (batch x rows x keys, 32 heads of 128) 344.0-344.7 us
-// in 8 splits against 348.2-348.5 in 16, 8 x 1 x 8192 339.8-340.6 in one against 347.6 in two, head dim 64 the same
-// or faster.
+// read the cache faster than four on an H100 (1 x 1 x 65536, batch x rows x keys with 32 heads of 128: 1 %; 8 x 1 x
+// 8192, one split per head against two: 2 %; at head dim 64 the same or faster).
 int decode_split_count(Family family, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim,
                        int num_splits) {
   const int rows = decode_kernel_rows(seqlen_q * (nheads / nheads_k));

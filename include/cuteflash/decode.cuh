@@ -31,9 +31,9 @@
 
 namespace cuteflash {
 
-// The splits whose parts a warp of the last split reads at once when it merges them (split_merge.cuh): 16, what a
-// single query row over 32 key-value heads gets on an H100 (more take several rounds of loads). The single-row
-// kernel keeps 128 registers per thread with it, so 4 blocks still fit an SM.
+// The splits whose parts a warp of the last split reads at once when it merges them (split_merge.cuh): 16, what batch
+// 1 over 16 key-value heads gets on an H100 (fewer heads get more splits, merged in several rounds of loads). The
+// single-row kernel keeps 128 registers per thread with it, so 4 blocks still fit an SM.
 constexpr int kDecodeMergeInFlight = 16;
 
 template <typename Element_, int kHeadDim_, int kRows_, bool kAsync_>
