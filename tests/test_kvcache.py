@@ -348,14 +348,19 @@ PAGED_CASES = [
 ]
 
 
+# Head dims of both shared-memory row widths of the tiled kernels (64 elements, or 32 at 32, 96, 160 and 224) and of
+# each count of rows a thread copies (1 to 8).
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", PAGED_CASES, ids=lambda c: "q{}-h{}/{}-page{}-lp{}".format(*c))
-def test_paged_equals_contiguous(case, causal, require_head_dim):
+def test_paged_equals_contiguous(case, causal, head_dim, require_head_dim):
     """A kernel reads a paged cache as it reads the same keys contiguous: the same bits, split or not."""
     seqlen_q, nheads, nheads_k, page, leftpad = case
-    require_head_dim(128)
+    require_head_dim(head_dim)
     # rows a multiple of each page size, so that both caches have as many rows (which sets the split count)
-    q, k_cache, v_cache, cache_seqlens = _decode_inputs(rows=1536, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k)
+    q, k_cache, v_cache, cache_seqlens = _decode_inputs(
+        rows=1536, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim
+    )
     pad = torch.tensor([5, 203], dtype=torch.int32, device="cuda") if leftpad else None
     pk, pv, table = _paged(k_cache, v_cache, page, torch.Generator().manual_seed(1))
     for splits in (1, 0):

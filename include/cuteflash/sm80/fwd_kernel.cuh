@@ -181,35 +181,59 @@ struct PagedTiles {
     const int key = first_key(key0, tid);
     const int row0 = key - key0;
     const int in_page = page_place(p, seq, key, log2_page_size(p)).in_page;  // the first row's place
-    // Row m is at row_a + m r on page a, at row_b + m r past its end (r: the row stride).
-    Element const* row_a = t.at<Element const>(pages.a, head_k, in_page);
-    Element const* row_b = t.at<Element const>(pages.b, head_k, in_page - p.page_size);
     // The thread writes the same 16-byte chunk of each of its rows in shared memory, at offset u of the
     // unswizzled layout, and so copies into it the column that the swizzle puts there: u's column plus
     // swizzle(u) - u. Writing a fixed column instead, the destinations of consecutive rows would differ by a
-    // swizzle (an XOR), computed anew for each row and, at head dim 128, spilled.
+    // swizzle (an XOR), computed anew for each row and, at head dim 128, spilled. The swizzle is linear over XOR,
+    // and the thread's first row is a multiple of kRowsPerThread (a divisor of the atom's 8 rows), so row m's
+    // offset u0 + m r is u0 ^ (m r) and its column is the first row's XOR a constant: one instruction per row.
     auto const swizzle = s.layout().layout_a();
     auto const plain = s.layout().layout_b();  // rows are plain(1, 0) apart, column blocks kCols
     constexpr int kCols = kThreadsPerRow * kElems;
+    constexpr int kRowStep = decltype(plain(Int<1>{}, Int<0>{}))::value;
+    static_assert(8 % kRowsPerThread == 0);
     const int u0 = plain(row0, tid % kThreadsPerRow * kElems);
+    const int col_first = tid % kThreadsPerRow * kElems + int(swizzle(u0)) - u0;
+    auto col_of = [&](auto m) {  // row m's column (the same in each column block)
+      constexpr int kOffset = decltype(m)::value * kRowStep;
+      constexpr int kFlip = int(std::decay_t<decltype(swizzle)>::apply(kOffset)) - kOffset;
+      return col_first ^ kFlip;
+    };
     Element* smem = raw_pointer_cast(s.data());
-    CUTE_UNROLL
-    for (int m = 0; m < kRowsPerThread; ++m) {
+    Element const* row_a = t.at<Element const>(pages.a, head_k, in_page);
+    // The usual case, with no check per row: every row read (all tiles but the last), on page a (no leftpad across
+    // pages), whose entry is valid, and the whole head dim.
+    if (key + kRowsPerThread <= seq.seqlen_k && in_page + kRowsPerThread <= p.page_size &&
+        unsigned(pages.a) < unsigned(p.num_pages) && p.head_dim == Traits::kHeadDim) {
+      cute::for_each(cute::make_seq<kRowsPerThread>{}, [&](auto m) {
+        Element const* src = row_a + (m * int(t.row_stride) + col_of(m));  // below 2^24 (api.cpp)
+        CUTE_UNROLL
+        for (int k = 0; k < Traits::kHeadDim / kCols; ++k) {
+          SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>::copy(
+              *reinterpret_cast<uint128_t const*>(src + k * kCols),
+              *reinterpret_cast<uint128_t*>(smem + u0 + m * kRowStep + plain(0, k * kCols)));
+        }
+      });
+      return;
+    }
+    // Row m is at row_a + m r on page a, at row_b + m r past its end (r: the row stride).
+    Element const* row_b = t.at<Element const>(pages.b, head_k, in_page - p.page_size);
+    cute::for_each(cute::make_seq<kRowsPerThread>{}, [&](auto m) {
       const bool on_a = in_page + m < p.page_size;
       const int page = on_a ? pages.a : pages.b;
       const bool ok = key + m < seq.seqlen_k && unsigned(page) < unsigned(p.num_pages);
-      const int u = u0 + m * plain(1, 0);
-      const int col0 = tid % kThreadsPerRow * kElems + int(swizzle(u)) - u;  // the same in each column block
+      const int col0 = col_of(m);
       // A row not read points into the cache's first row, whose head dim elements exist (its copies read nothing).
       Element const* src = ok ? (on_a ? row_a : row_b) + m * int(t.row_stride) + col0  // below 2^24 (api.cpp)
                               : static_cast<Element const*>(t.ptr);
       CUTE_UNROLL
       for (int k = 0; k < Traits::kHeadDim / kCols; ++k) {
-        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<uint128_t const*>(src + k * kCols),
-                                                         *reinterpret_cast<uint128_t*>(smem + u + plain(0, k * kCols)),
-                                                         ok && col0 + k * kCols < p.head_dim);
+        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(
+            *reinterpret_cast<uint128_t const*>(src + k * kCols),
+            *reinterpret_cast<uint128_t*>(smem + u0 + m * kRowStep + plain(0, k * kCols)),
+            ok && col0 + k * kCols < p.head_dim);
       }
-    }
+    });
   }
 };
 
