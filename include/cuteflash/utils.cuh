@@ -150,9 +150,9 @@ __device__ __forceinline__ void copy_tile_bounded(TiledCopy const& tiled_copy, S
 
 // copy_tile_bounded for a tile whose rows lie anywhere in memory (a paged cache): row_at(m, r) points to the first
 // element of the tile's row r, the thread's m-th, or is null for a row that is not read. Chunks of those rows,
-// and from column max_cols on, are skipped, or zero-filled in `dst` when `kZeroFill`. thr: tiled_copy's slice of
-// this thread.
-template <bool kZeroFill, int kRows, int kCols, typename TiledCopy, typename ThrCopy, typename RowAt,
+// and from column max_cols on, are skipped, or zero-filled in `dst` when `kZeroFill`; without kChecked, the caller
+// knows every row is read over every column, and nothing is checked. thr: tiled_copy's slice of this thread.
+template <bool kZeroFill, bool kChecked, int kRows, int kCols, typename TiledCopy, typename ThrCopy, typename RowAt,
           typename DstTensor, typename CoordTensor>
 __device__ __forceinline__ void copy_rows_bounded(TiledCopy const& tiled_copy, ThrCopy const& thr, RowAt const& row_at,
                                                   DstTensor&& dst, CoordTensor const& coord, int max_cols) {
@@ -164,7 +164,7 @@ __device__ __forceinline__ void copy_rows_bounded(TiledCopy const& tiled_copy, T
         make_tensor(make_gmem_ptr(row), make_layout(Shape<Int<kRows>, Int<kCols>>{}, make_stride(_0{}, _1{}))));
     CUTE_UNROLL
     for (int k = 0; k < size<2>(dst); ++k) {
-      if (row != nullptr && get<1>(coord(0, m, k)) < max_cols) {
+      if (!kChecked || (row != nullptr && get<1>(coord(0, m, k)) < max_cols)) {
         copy(tiled_copy, src(_, m, k), dst(_, m, k));
       } else if constexpr (kZeroFill) {
         clear(dst(_, m, k));

@@ -125,10 +125,23 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   };
   auto load_kv = [&](auto const& rows, Operand const& t, int n_block) {
     if constexpr (kPaged) {
-      auto row_at = [&](int m, int r) {
-        return paged_key<Element>(p, seq, t, head_k, n_block * kBlockN + r, pages[m], log2_page_size(p));
-      };
-      CopyKV::load_rows(row_at, kv_regs, p.head_dim, tid);
+      // Whether every row of mine is read (keys past seqlen_k and threads past the copy have page -1), on a page
+      // of the cache, over the whole head dim: then the copy checks nothing (all tiles but a sequence's last).
+      bool whole = p.head_dim == kHeadDim;
+      CUTE_UNROLL
+      for (int m = 0; m < CopyKV::kRowsPerThread; ++m) whole = whole && unsigned(pages[m]) < unsigned(p.num_pages);
+      if (whole) {
+        auto row_at = [&](int m, int r) {
+          return t.at<Element const>(pages[m], head_k,
+                                     page_place(p, seq, n_block * kBlockN + r, log2_page_size(p)).in_page);
+        };
+        CopyKV::template load_rows<false>(row_at, kv_regs, p.head_dim, tid);
+      } else {
+        auto row_at = [&](int m, int r) {
+          return paged_key<Element>(p, seq, t, head_k, n_block * kBlockN + r, pages[m], log2_page_size(p));
+        };
+        CopyKV::template load_rows<true>(row_at, kv_regs, p.head_dim, tid);
+      }
     } else {
       CopyKV::load(rows.block(n_block), kv_regs, seq.seqlen_k - n_block * kBlockN, p.head_dim, tid);
     }

@@ -191,14 +191,14 @@ struct GmemTileCopy {
   __device__ static int row(int tid, int m) { return tid / kThreadsPerRow + m * (kThreads / kThreadsPerRow); }
 
   // load() of a tile whose row r, the thread's m-th, is row_at(m, r), or zeros where that is null
-  // (copy_rows_bounded): a paged cache.
-  template <typename RowAt, typename Regs>
+  // (copy_rows_bounded): a paged cache. kChecked false: every row is read, over the whole head dim.
+  template <bool kChecked, typename RowAt, typename Regs>
   __device__ static void load_rows(RowAt const& row_at, Regs& regs, int head_dim, int tid) {
     if (tid >= kThreads) return;
     TiledCopy tiled_copy;
     auto thr = tiled_copy.get_thread_slice(tid);
     Tensor coord = thr.partition_S(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
-    copy_rows_bounded<true, kRows, kHeadDim>(tiled_copy, thr, row_at, regs, coord, head_dim);
+    copy_rows_bounded<true, kChecked, kRows, kHeadDim>(tiled_copy, thr, row_at, regs, coord, head_dim);
   }
 
   // Asks for the 128-byte lines of gmem's rows below rows_left ahead of a copy() of the same tile,
