@@ -175,8 +175,8 @@ constexpr int decode_steps(int head_dim, int rows, bool async) {
   return rows == 1 && !async ? 8 : 4;
 }
 // Two stages (one chunk in flight while one is computed), three for a single query row at head dims up to 64: on an
-// H100, at two blocks per SM, a third stage costs a single row at head dim 128 about 3 % (64k keys; a batch of 8 over
-// 8k), and at head dim 64 the third stage is worth 3.6 % to a batch of 32 over 8k keys.
+// H100 a third stage costs a single row at head dim 128 about 3 % (64k keys; a batch of 8 over 8k; two blocks per
+// SM), and at head dim 64 it is worth 3.6 % to a batch of 32 over 8k keys (measured with four blocks per SM).
 constexpr int decode_stages(int head_dim, int rows) { return decode_lanes_per_key(head_dim) >= 16 || rows > 1 ? 2 : 3; }
 constexpr int decode_chunk(int head_dim, int rows, bool async) {
   return 4 * (32 / decode_lanes_per_key(head_dim)) * decode_steps(head_dim, rows, async);
