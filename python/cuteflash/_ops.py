@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._lib import build_info, compiled_module, select_family
+from ._lib import BACKEND_ENV, build_info, compiled_module, select_family
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 SM70_CORRECTION_ENV = "CUTEFLASH_SM70_CORRECTION"
@@ -22,12 +22,16 @@ SM70_CORRECTION_ENV = "CUTEFLASH_SM70_CORRECTION"
 MAX_ROW_STRIDE = 2**24  # the kernels index inside a block of rows with 32-bit offsets
 
 
+def readable_strides(strides: tuple[int, ...]) -> bool:
+    """Whether the kernels can read a tensor of these strides in place where it is 16-byte aligned: last dim
+    contiguous, every other stride a multiple of 8 elements (16-byte aligned rows), row stride below MAX_ROW_STRIDE."""
+    return strides[-1] == 1 and math.gcd(*strides[:-1]) % 8 == 0 and strides[-3] < MAX_ROW_STRIDE
+
+
 def in_place(t: torch.Tensor) -> bool:
-    """Whether the kernels can read (or write) t in place: last dim contiguous, 16-byte aligned rows,
-    row stride below MAX_ROW_STRIDE. Slices of a packed qkv tensor can."""
-    strides = t.stride()
-    aligned = math.gcd(*strides[:-1]) % 8 == 0 and t.data_ptr() % 16 == 0  # the gcd: every stride a multiple of 8
-    return strides[-1] == 1 and aligned and strides[-3] < MAX_ROW_STRIDE
+    """Whether the kernels can read (or write) t in place: readable strides, 16-byte aligned. Slices of a packed qkv
+    tensor can."""
+    return readable_strides(t.stride()) and t.data_ptr() % 16 == 0
 
 
 def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
@@ -92,6 +96,21 @@ def _counters(device: torch.device, stream: int, count: int) -> int:
         counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
         _split_counters[key] = counters
     return counters.data_ptr()
+
+
+# os.environ's mapping of encoded names to encoded values, where this Python keeps one (CPython): read directly, a
+# variable costs a tenth of os.environ.get.
+_environ_data = getattr(os.environ, "_data", None) if hasattr(os.environ, "encodekey") else None
+_kernel_env_keys = (
+    (os.environ.encodekey(BACKEND_ENV), os.environ.encodekey(SM70_CORRECTION_ENV)) if _environ_data is not None else ()
+)
+
+
+def environment() -> tuple:
+    """The environment variables that choose the kernels a call runs (the family, sm70's correction)."""
+    if _environ_data is not None:
+        return _environ_data.get(_kernel_env_keys[0]), _environ_data.get(_kernel_env_keys[1])
+    return os.environ.get(BACKEND_ENV), os.environ.get(SM70_CORRECTION_ENV)
 
 
 def _fp16_correction(family: str) -> bool:
@@ -556,6 +575,204 @@ class Attention(torch.autograd.Function):
         return output
 
     backward = staticmethod(_backward_with(bwd_op_impl))
+
+
+class FwdPlan(NamedTuple):
+    """A forward call on separate q, k, v of a fixed-length batch, read in place, worked out once: the checks, the
+    kernel family and the kernel's plan (fwd_plan), and _C.fwd's arguments but for the tensors' memory and the stream.
+    interface.py keeps one per call signature, so that a repeated call pays for its allocations and its launch only
+    (plan_forward, run_planned). bwd: the backward pass's plans per dout stride (BwdPlan, or False where dout is not
+    read in place)."""
+
+    device: int
+    head: tuple  # family, dtype code
+    strides: tuple  # q's, k's, v's and out's (batch, row, head) strides
+    sizes: tuple  # batch .. fp16_correction
+    rest: tuple  # cu_seqlens_q .. rng_state of _problem
+    q_contiguous: bool
+    lse_shape: tuple
+    lse_strides: tuple
+    decode: bool
+    splits: int
+    accum_floats: tuple  # (o_accum_floats, lse_accum_floats), both 0 where splits == 1
+    counters: int  # the decoding kernel's split counters, 0: none
+    deterministic: bool
+    bwd: dict
+
+
+class BwdPlan(NamedTuple):
+    """The backward pass of a FwdPlan's calls for one dout stride: dout's strides, dq_accum's size, whether D lives in
+    dq, and whether dK and dV are summed over groups of query heads (MQA/GQA)."""
+
+    dout_strides: tuple
+    dq_accum_floats: int
+    d_rowsum_in_dq: bool
+    grouped: bool
+
+
+def plan_forward(q, k, v, softmax_scale: float, causal: bool, options: Options, deterministic: bool) -> FwdPlan | None:
+    """The FwdPlan of a call whose arguments interface.py has checked, or None where the plan cannot serve it: an
+    operand whose strides the kernels cannot read in place, a head dim that is padded, no query or no key, another
+    device than the current one, or dropout or ALiBi (their tensors change per call). Each call checks its own
+    addresses (run_planned)."""
+    if (
+        options.dropout_p > 0
+        or options.alibi_slopes is not None
+        or q.shape[-1] % 8
+        or not all(readable_strides(t.stride()) for t in (q, k, v))
+        or _no_keys(q, k, None)
+        or q.numel() == 0
+        or q.device.index != _current_device()
+    ):
+        return None
+    family = select_family(q.device)
+    if family == "sm70" and q.dtype == torch.bfloat16:
+        return None
+    batch, seqlen_q, nheads = sizes = _sizes(q, None)
+    nheads_k, head_dim = k.shape[-2:]
+    # (q stands in for out and lse, whose memory each call allocates: out contiguous, lse (batch, nheads, seqlen_q))
+    problem = _problem(family, q, k, v, q, q, softmax_scale, causal, None, options, sizes)
+    out_strides = (seqlen_q * nheads * head_dim, nheads * head_dim, head_dim)
+    decode, splits, o_accum_floats, lse_accum_floats = compiled_module().fwd_plan(  # (on the current device)
+        family, batch, nheads, nheads_k, seqlen_q, k.shape[1], head_dim, False, False, False, 0
+    )
+    return FwdPlan(
+        q.device.index,
+        problem[:2],
+        (*(t[1:] for t in problem[2:5]), out_strides),
+        problem[7:16],
+        problem[17:],
+        q.is_contiguous(),
+        (batch, nheads, seqlen_q),
+        (nheads * seqlen_q, seqlen_q, 1),
+        decode,
+        splits,
+        (o_accum_floats, lse_accum_floats),
+        batch * nheads_k if decode and splits > 1 else 0,
+        deterministic,
+        {},
+    )
+
+
+def _run_planned(plan: FwdPlan, ptrs: tuple[int, int, int], q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """out and the log-sum-exp of a call that plan serves, its q, k, v at the 16-byte aligned addresses ptrs."""
+    out = torch.empty_like(q) if plan.q_contiguous else torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty_strided(plan.lse_shape, plan.lse_strides, dtype=torch.float32, device=q.device)
+    stream = _stream(q.device)
+    o_accum_floats, lse_accum_floats = plan.accum_floats
+    o_accum = lse_accum = counters = 0
+    if plan.splits > 1:  # as in fwd_impl
+        accum = torch.empty(o_accum_floats + lse_accum_floats, dtype=torch.float32, device=q.device)
+        o_accum = accum.data_ptr()
+        lse_accum = o_accum + 4 * o_accum_floats
+        if plan.counters:
+            counters = _counters(q.device, stream, plan.counters)
+    qs, ks, vs, os_ = plan.strides
+    compiled_module().fwd(
+        *plan.head,
+        (ptrs[0], *qs),
+        (ptrs[1], *ks),
+        (ptrs[2], *vs),
+        (out.data_ptr(), *os_),
+        lse.data_ptr(),
+        *plan.sizes,
+        stream,
+        *plan.rest,
+        None,
+        plan.decode,
+        plan.splits,
+        o_accum,
+        lse_accum,
+        o_accum_floats,
+        counters,
+    )
+    return out, lse
+
+
+def _bwd_plan(plan: FwdPlan, dout: torch.Tensor, q, k) -> BwdPlan | bool:
+    """plan's BwdPlan for dout's strides, made on first use; False where the kernels cannot read dout's strides in
+    place or this build has no backward kernels (the general path then copies dout, or raises)."""
+    key = dout.stride()
+    bwd = plan.bwd.get(key)
+    if bwd is None:
+        family = plan.head[0]
+        bwd = False
+        if readable_strides(key) and "bwd" in build_info()["families"][family]["directions"]:
+            batch, nheads, _, seqlen_q = plan.sizes[:4]
+            dq_accum_floats, d_rowsum_in_dq = compiled_module().bwd_workspace(
+                family, q.shape[-1], batch, nheads, seqlen_q, plan.deterministic, -1
+            )
+            bwd = BwdPlan(_operand(dout)[1:], dq_accum_floats, d_rowsum_in_dq, nheads != k.shape[-2])
+        plan.bwd[key] = bwd
+    return bwd
+
+
+def _backward_planned(plan: FwdPlan, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of a call that plan served (bwd_into's work with the checks and the planning done)."""
+    bwd = _bwd_plan(plan, dout, q, k)
+    if not bwd or dout.data_ptr() % 16 or q.device.index != _current_device():
+        grads = [_empty_contiguous(t) for t in (q, k, v)]
+        options = Options(*plan.rest[4:7])
+        bwd_into(*grads, dout, q, k, v, out, lse, plan.sizes[6], plan.sizes[7], plan.deterministic, None, options)
+        return tuple(grads)
+    dq, dk, dv = (_empty_contiguous(t) for t in (q, k, v))
+    dq_accum = q.new_empty(bwd.dq_accum_floats, dtype=torch.float32)
+    d_rowsum = dq if bwd.d_rowsum_in_dq else lse.new_empty(lse.shape)
+    dk_k, dv_k = (dk, dv) if not bwd.grouped else (q.new_empty(k.shape[:2] + q.shape[2:]) for _ in range(2))
+    qs, ks, vs, os_ = plan.strides
+    compiled_module().bwd(
+        *plan.head,
+        (q.data_ptr(), *qs),
+        (k.data_ptr(), *ks),
+        (v.data_ptr(), *vs),
+        (out.data_ptr(), *os_),
+        lse.data_ptr(),
+        *plan.sizes,
+        _stream(q.device),
+        *plan.rest,
+        (dout.data_ptr(), *bwd.dout_strides),
+        _operand(dq),
+        dq_accum.data_ptr(),
+        bwd.dq_accum_floats,
+        d_rowsum.data_ptr(),
+        _operand(dk_k),
+        _operand(dv_k),
+        plan.deterministic,
+    )
+    if bwd.grouped:
+        nheads, nheads_k = q.shape[2], k.shape[2]
+        for given, computed in ((dk, dk_k), (dv, dv_k)):
+            torch.sum(computed.unflatten(-2, (nheads_k, nheads // nheads_k)), dim=-2, out=given)
+    return dq, dk, dv
+
+
+class PlannedAttention(torch.autograd.Function):
+    """Attention's autograd rules for the calls a FwdPlan serves: the same kernels, with the checks and the planning
+    done once per signature. Returns out and the log-sum-exp (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, plan: FwdPlan, ptrs: tuple[int, int, int], q, k, v):
+        out, lse = _run_planned(plan, ptrs, q)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return None, None, *_backward_planned(ctx.plan, grad_out, *ctx.saved_tensors)
+
+
+def run_planned(plan: FwdPlan, q, k, v) -> torch.Tensor | None:
+    """out of a call with a FwdPlan (through PlannedAttention where a gradient is wanted), or None where this call
+    cannot take it: an operand not 16-byte aligned, or another current device (the general path handles both)."""
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    if (ptrs[0] | ptrs[1] | ptrs[2]) % 16 or plan.device != _current_device():
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return PlannedAttention.apply(plan, ptrs, q, k, v)[0]
+    return _run_planned(plan, ptrs, q)[0]
 
 
 def kvcache_impl(

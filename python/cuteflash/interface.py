@@ -181,6 +181,62 @@ def _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> 
     return cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), *bounds
 
 
+# The plans of calls made (_ops.FwdPlan, or False for a signature that the planned path does not serve), per call
+# signature (_plan_key). Emptied when full: a workload repeats few signatures.
+_plans: dict = {}
+_MAX_PLANS = 1024
+
+
+def _plan_key(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+              return_attn_probs) -> tuple | None:  # fmt: skip
+    """The signature of an eager call on separate q, k, v tensors of a fixed-length batch without dropout, ALiBi or
+    return_attn_probs, or None for another call. It holds what the checks, the padding and the kernel's plan read
+    (shapes, strides, dtypes, devices, the scalar arguments with their types, the environment that picks the kernel
+    family), so that a call with the key of one that passed them passes them too; the tensors' addresses are checked
+    per call (_ops.run_planned)."""
+    if (
+        varlen is not None
+        or alibi_slopes is not None
+        or return_attn_probs
+        or type(dropout_p) not in (float, int)
+        or dropout_p != 0
+        or not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor)
+        or type(window_size) is not tuple
+        or len(window_size) != 2
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    key = (
+        q.shape,
+        k.shape,
+        v.shape,
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.device,
+        k.device,
+        v.device,
+        softmax_scale,
+        type(softmax_scale),
+        bool(causal),
+        window_size,
+        type(window_size[0]),
+        type(window_size[1]),
+        softcap,
+        type(softcap),
+        bool(deterministic),
+        _ops.environment(),
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def _attention(
     q,
     k,
@@ -197,6 +253,15 @@ def _attention(
 ):
     """q, k, v as _ops.unpack reads them (k None: q is qkv packed; v None: k is kv packed); varlen: None, or
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+    key = _plan_key(
+        q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs,
+    )  # fmt: skip
+    plan = None if key is None else _plans.get(key)
+    if plan:
+        out = _ops.run_planned(plan, q, k, v)
+        if out is not None:
+            return out
     dropout_p = _check_dropout(dropout_p)
     if softmax_scale is not None:
         _check_scale(softmax_scale)
@@ -219,6 +284,16 @@ def _attention(
     pad = -head_dim % 8
     if pad:
         q, k, v = (None if t is None else F.pad(t, (0, pad)) for t in (q, k, v))
+    if plan is None and key is not None and not pad:  # checked: plan the calls with its signature
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = (
+            _ops.plan_forward(q, k, v, float(softmax_scale), bool(causal), options, bool(deterministic)) or False
+        )
+        if plan:
+            out = _ops.run_planned(plan, q, k, v)
+            if out is not None:
+                return out
     out, lse = _ops.forward(q, k, v, *varlen, float(softmax_scale), bool(causal), *options, bool(deterministic))
     if pad:
         out = out[..., :head_dim]

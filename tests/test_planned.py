@@ -1,0 +1,132 @@
+"""The planned path (interface._plans, _ops.FwdPlan): a repeated eager call on separate q, k, v takes its checks and
+kernel plan from the first call of its signature. It must compute what the general path computes, bit for bit, and
+refuse and fall back exactly where the general path would."""
+
+import pytest
+import torch
+
+from cuteflash import _ops, flash_attn_func, flash_attn_qkvpacked_func, interface
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def general_path(monkeypatch):
+    """A function that runs fn with no plan made or used (every call takes the general path)."""
+
+    def run(fn):
+        with monkeypatch.context() as m:
+            m.setattr(interface, "_plans", {})
+            m.setattr(_ops, "plan_forward", lambda *args: None)
+            return fn()
+
+    return run
+
+
+def _call(q, k, v, dout, clone=True, **kwargs):
+    """out and, with dout, the gradients of q, k, v (of copies of them, unless clone is False)."""
+    leaves = [(t.detach().clone() if clone else t).requires_grad_(dout is not None) for t in (q, k, v)]
+    out = flash_attn_func(*leaves, **kwargs)
+    if dout is None:
+        return (out,)
+    out.backward(dout)
+    return (out, *(t.grad for t in leaves))
+
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim): grouped heads; a single query row (the decoding kernel,
+# its keys split); more keys than queries.
+SHAPES = [(2, 130, 130, 4, 4, 64), (2, 77, 300, 6, 2, 128), (3, 1, 2048, 8, 2, 128), (1, 33, 129, 2, 1, 32)]
+OPTIONS = [dict(causal=True), dict(causal=False, window_size=(32, 8)), dict(causal=True, softcap=20.0)]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["causal", "window", "softcap"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
+def test_planned_calls_equal_the_general_path(shape, options, backward, make_qkv, require_support, general_path):
+    """Three calls of one signature (the first makes the plan) give the general path's out, dq, dk and dv bit for bit
+    (the deterministic backward pass, whose dQ has a fixed summation order)."""
+    if backward:
+        require_support(backward=True)
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim = shape
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, torch.float16)
+    dout = torch.randn_like(q) if backward else None
+    kwargs = dict(options, deterministic=True)
+    expected = general_path(lambda: _call(q, k, v, dout, **kwargs))
+    interface._plans.clear()
+    for _ in range(3):
+        got = _call(q, k, v, dout, **kwargs)
+        for name, x, y in zip(("out", "dq", "dk", "dv"), got, expected):
+            assert torch.equal(x, y), f"{name} differs from the general path's"
+    assert any(isinstance(plan, _ops.FwdPlan) for plan in interface._plans.values())
+
+
+def test_strided_views_and_misaligned_tensors(make_qkv, require_support, general_path):
+    """q and dout as transposed views (read in place through their strides: a plan), and a q 8 bytes off a 16-byte
+    boundary after a plan was made for its signature (the general path copies it): the same results."""
+    require_support(backward=True)
+    q, k, v = make_qkv(2, 96, 96, 4, 4, 64, torch.float16)
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # (b, s, h, d) with the heads outermost
+    dout = torch.randn_like(q).transpose(1, 2).contiguous().transpose(1, 2)
+    kwargs = dict(causal=True, deterministic=True)
+    interface._plans.clear()
+    for _ in range(2):
+        got = _call(q_t, k, v, dout, **kwargs)
+        expected = general_path(lambda: _call(q_t, k, v, dout, **kwargs))
+        for x, y in zip(got, expected):
+            assert torch.equal(x, y)
+    buffer = torch.empty(q.numel() + 4, dtype=q.dtype, device=q.device)
+    shifted = buffer[4:].view(q.shape).copy_(q)  # 8 bytes past the allocation's start
+    dout = dout.contiguous()
+    first = _call(q, k, v, dout, **kwargs)
+    assert shifted.data_ptr() % 16 and isinstance(interface._plans.get(_key(q, k, v, kwargs)), _ops.FwdPlan)
+    for x, y in zip(_call(shifted, k, v, dout, clone=False, **kwargs), first):
+        assert torch.equal(x, y)
+
+
+def _key(q, k, v, kwargs):
+    """The plan key of flash_attn_func(q, k, v, **kwargs)."""
+    return interface._plan_key(
+        q, k, v, None, 0.0, None, kwargs.get("causal", False), (-1, -1), 0.0, None, kwargs.get("deterministic", False),
+        False,
+    )  # fmt: skip
+
+
+def test_a_plan_does_not_skip_the_checks(make_qkv):
+    """After a plan was made for one call, calls that differ in what the checks read are still checked."""
+    q, k, v = make_qkv(1, 64, 64, 4, 4, 64, torch.float16)
+    flash_attn_func(q, k, v, causal=True)
+    flash_attn_func(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="one dtype"):
+        flash_attn_func(q, k.bfloat16(), v, causal=True)
+    with pytest.raises(ValueError, match="same shape"):
+        flash_attn_func(q, k, v[:, :32], causal=True)
+    with pytest.raises(ValueError, match="cuteflash runs on CUDA GPUs"):
+        flash_attn_func(q.cpu(), k, v, causal=True)
+    with pytest.raises(TypeError, match="window_size"):
+        flash_attn_func(q, k, v, causal=True, window_size=(-1.0, -1))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        flash_attn_func(q, k, v, causal=True, softmax_scale=-1.0)
+
+
+def test_signatures_that_are_not_planned(make_qkv):
+    """A padded head dim, dropout and packed q, k, v make no plan."""
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 60, torch.float16)
+    interface._plans.clear()
+    flash_attn_func(q, k, v)
+    q, k, v = (t[..., :56] for t in (q, k, v))
+    flash_attn_func(q, k, v, dropout_p=0.1)
+    flash_attn_qkvpacked_func(torch.stack((q, k, v), dim=2))
+    assert not interface._plans
+
+
+def test_the_environment_picks_the_plan(make_qkv, monkeypatch):
+    """CUTEFLASH_BACKEND chooses the family of the plan that serves a call, as it does for the general path."""
+    from cuteflash._lib import build_info
+
+    if not {"sm70", "sm80"} <= build_info()["families"].keys() or torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("needs both kernel families and a GPU that runs both")
+    q, k, v = make_qkv(1, 64, 64, 2, 2, 64, torch.float16)
+    for family in ("sm80", "sm70", "sm80"):
+        monkeypatch.setenv("CUTEFLASH_BACKEND", family)
+        flash_attn_func(q, k, v)
+        assert interface._plans[_key(q, k, v, {})].head[0] == family
