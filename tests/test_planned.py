@@ -5,7 +5,7 @@ refuse and fall back exactly where the general path would."""
 import pytest
 import torch
 
-from cuteflash import _ops, flash_attn_func, flash_attn_qkvpacked_func, interface
+from cuteflash import _ops, flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func, interface
 
 pytestmark = pytest.mark.gpu
 
@@ -130,3 +130,44 @@ def test_the_environment_picks_the_plan(make_qkv, monkeypatch):
         monkeypatch.setenv("CUTEFLASH_BACKEND", family)
         flash_attn_func(q, k, v)
         assert interface._plans[_key(q, k, v, {})].head[0] == family
+
+
+def _varlen_call(q, k, v, cu_q, cu_k, max_q, max_k, dout, **kwargs):
+    leaves = [t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v)]
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, **kwargs)
+    if dout is None:
+        return (out,)
+    out.backward(dout)
+    return (out, *(t.grad for t in leaves))
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["causal", "window", "softcap"])
+@pytest.mark.parametrize("nheads_k", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
+def test_planned_varlen_calls_equal_the_general_path(nheads_k, options, backward, require_support, general_path):
+    """flash_attn_varlen_func: the offsets pass per call; planned calls give the general path's results bit for
+    bit, and offsets that are not contiguous (which the general path copies) make no plan."""
+    if backward:
+        require_support(backward=True)
+    require_support(torch.float16)
+    lens_q, lens_k = [5, 130, 0, 64], [7, 100, 33, 64]
+    cu_q, cu_k = (
+        torch.tensor([0, *torch.tensor(n).cumsum(0)], dtype=torch.int32, device="cuda") for n in (lens_q, lens_k)
+    )
+    q = torch.randn(sum(lens_q), 4, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(sum(lens_k), nheads_k, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    dout = torch.randn_like(q) if backward else None
+    args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dout)
+    kwargs = dict(options, deterministic=True)
+    expected = general_path(lambda: _varlen_call(*args, **kwargs))
+    interface._plans.clear()
+    for _ in range(3):
+        for name, x, y in zip(("out", "dq", "dk", "dv"), _varlen_call(*args, **kwargs), expected):
+            assert torch.equal(x, y), f"{name} differs from the general path's"
+    assert [type(plan) for plan in interface._plans.values()] == [_ops.FwdPlan]
+    strided_q, strided_k = (torch.stack((cu, cu), dim=1)[:, 0] for cu in (cu_q, cu_k))
+    for _ in range(2):
+        got = _varlen_call(q, k, v, strided_q, strided_k, *args[5:], **kwargs)
+        for x, y in zip(got, expected):
+            assert torch.equal(x, y)
+    assert sorted(map(bool, interface._plans.values())) == [False, True]

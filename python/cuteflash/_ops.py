@@ -578,17 +578,18 @@ class Attention(torch.autograd.Function):
 
 
 class FwdPlan(NamedTuple):
-    """A forward call on separate q, k, v of a fixed-length batch, read in place, worked out once: the checks, the
-    kernel family and the kernel's plan (fwd_plan), and _C.fwd's arguments but for the tensors' memory and the stream.
-    interface.py keeps one per call signature, so that a repeated call pays for its allocations and its launch only
-    (plan_forward, run_planned). bwd: the backward pass's plans per dout stride (BwdPlan, or False where dout is not
-    read in place)."""
+    """A forward call on separate q, k, v (of a fixed- or variable-length batch), read in place, worked out once: the
+    checks, the kernel family and the kernel's plan (fwd_plan), and _C.fwd's arguments but for the tensors' memory
+    and the stream. interface.py keeps one per call signature, so that a repeated call pays for its allocations and
+    its launch only (plan_forward, run_planned). bwd: the backward pass's plans per dout stride (BwdPlan, or False
+    where dout is not read in place)."""
 
     device: int
     head: tuple  # family, dtype code
     strides: tuple  # q's, k's, v's and out's (batch, row, head) strides
-    sizes: tuple  # batch .. fp16_correction
-    rest: tuple  # cu_seqlens_q .. rng_state of _problem
+    sizes: tuple  # batch .. fp16_correction of _problem (seqlen_q and seqlen_k: a variable-length batch's bounds)
+    rest: tuple  # total_q .. rng_state of _problem
+    varlen: bool  # a variable-length batch: each call passes its cu_seqlens_q and cu_seqlens_k
     q_contiguous: bool
     lse_shape: tuple
     lse_strides: tuple
@@ -610,41 +611,49 @@ class BwdPlan(NamedTuple):
     grouped: bool
 
 
-def plan_forward(q, k, v, softmax_scale: float, causal: bool, options: Options, deterministic: bool) -> FwdPlan | None:
-    """The FwdPlan of a call whose arguments interface.py has checked, or None where the plan cannot serve it: an
-    operand whose strides the kernels cannot read in place, a head dim that is padded, no query or no key, another
-    device than the current one, or dropout or ALiBi (their tensors change per call). Each call checks its own
-    addresses (run_planned)."""
+def plan_forward(
+    q, k, v, softmax_scale: float, causal: bool, varlen: Varlen | None, options: Options, deterministic: bool
+) -> FwdPlan | None:
+    """The FwdPlan of a call whose arguments interface.py has checked (varlen's offsets contiguous), or None where
+    the plan cannot serve it: an operand whose strides the kernels cannot read in place, a head dim that is padded,
+    no query, no key or no sequence, another device than the current one, or dropout or ALiBi (their tensors change
+    per call). Each call checks its own addresses (run_planned)."""
     if (
         options.dropout_p > 0
         or options.alibi_slopes is not None
         or q.shape[-1] % 8
         or not all(readable_strides(t.stride()) for t in (q, k, v))
-        or _no_keys(q, k, None)
+        or _no_keys(q, k, varlen)
         or q.numel() == 0
+        or (varlen is not None and varlen.cu_seqlens_q.numel() < 2)
         or q.device.index != _current_device()
     ):
         return None
     family = select_family(q.device)
     if family == "sm70" and q.dtype == torch.bfloat16:
         return None
-    batch, seqlen_q, nheads = sizes = _sizes(q, None)
+    batch, seqlen_q, nheads = sizes = _sizes(q, varlen)
     nheads_k, head_dim = k.shape[-2:]
-    # (q stands in for out and lse, whose memory each call allocates: out contiguous, lse (batch, nheads, seqlen_q))
-    problem = _problem(family, q, k, v, q, q, softmax_scale, causal, None, options, sizes)
-    out_strides = (seqlen_q * nheads * head_dim, nheads * head_dim, head_dim)
+    # (q stands in for out and lse, whose memory each call allocates: out contiguous, lse (batch, nheads, seqlen_q)
+    # or (nheads, total_q))
+    problem = _problem(family, q, k, v, q, q, softmax_scale, causal, varlen, options, sizes)
+    seqlen_k = problem[11]
     decode, splits, o_accum_floats, lse_accum_floats = compiled_module().fwd_plan(  # (on the current device)
-        family, batch, nheads, nheads_k, seqlen_q, k.shape[1], head_dim, False, False, False, 0
+        family, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim, varlen is not None, False, False, 0
     )
+    lse_shape = _lse_shape(q, varlen)
+    lse_strides = (lse_shape[1], 1) if varlen is not None else (nheads * seqlen_q, seqlen_q, 1)
+    out_strides = (0 if varlen is not None else seqlen_q * nheads * head_dim, nheads * head_dim, head_dim)
     return FwdPlan(
         q.device.index,
         problem[:2],
         (*(t[1:] for t in problem[2:5]), out_strides),
         problem[7:16],
-        problem[17:],
+        problem[19:],
+        varlen is not None,
         q.is_contiguous(),
-        (batch, nheads, seqlen_q),
-        (nheads * seqlen_q, seqlen_q, 1),
+        lse_shape,
+        lse_strides,
         decode,
         splits,
         (o_accum_floats, lse_accum_floats),
@@ -654,8 +663,9 @@ def plan_forward(q, k, v, softmax_scale: float, causal: bool, options: Options, 
     )
 
 
-def _run_planned(plan: FwdPlan, ptrs: tuple[int, int, int], q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """out and the log-sum-exp of a call that plan serves, its q, k, v at the 16-byte aligned addresses ptrs."""
+def _run_planned(plan: FwdPlan, ptrs: tuple, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """out and the log-sum-exp of a call that plan serves: ptrs are the addresses of its q, k, v (16-byte aligned),
+    then of its cu_seqlens_q and cu_seqlens_k (0 for a fixed-length batch)."""
     out = torch.empty_like(q) if plan.q_contiguous else torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty_strided(plan.lse_shape, plan.lse_strides, dtype=torch.float32, device=q.device)
     stream = _stream(q.device)
@@ -677,6 +687,8 @@ def _run_planned(plan: FwdPlan, ptrs: tuple[int, int, int], q: torch.Tensor) -> 
         lse.data_ptr(),
         *plan.sizes,
         stream,
+        ptrs[3],
+        ptrs[4],
         *plan.rest,
         None,
         plan.decode,
@@ -700,26 +712,29 @@ def _bwd_plan(plan: FwdPlan, dout: torch.Tensor, q, k) -> BwdPlan | bool:
         if readable_strides(key) and "bwd" in build_info()["families"][family]["directions"]:
             batch, nheads, _, seqlen_q = plan.sizes[:4]
             dq_accum_floats, d_rowsum_in_dq = compiled_module().bwd_workspace(
-                family, q.shape[-1], batch, nheads, seqlen_q, plan.deterministic, -1
+                family, q.shape[-1], batch, nheads, seqlen_q, plan.deterministic, q.shape[0] if plan.varlen else -1
             )
             bwd = BwdPlan(_operand(dout)[1:], dq_accum_floats, d_rowsum_in_dq, nheads != k.shape[-2])
         plan.bwd[key] = bwd
     return bwd
 
 
-def _backward_planned(plan: FwdPlan, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of a call that plan served (bwd_into's work with the checks and the planning done)."""
+def _backward_planned(plan: FwdPlan, dout, q, k, v, out, lse, *cu_seqlens) -> tuple[torch.Tensor, ...]:
+    """dq, dk, dv of a call that plan served (bwd_into's work with the checks and the planning done); cu_seqlens: a
+    variable-length batch's cu_seqlens_q and cu_seqlens_k."""
     bwd = _bwd_plan(plan, dout, q, k)
     if not bwd or dout.data_ptr() % 16 or q.device.index != _current_device():
         grads = [_empty_contiguous(t) for t in (q, k, v)]
-        options = Options(*plan.rest[4:7])
-        bwd_into(*grads, dout, q, k, v, out, lse, plan.sizes[6], plan.sizes[7], plan.deterministic, None, options)
+        varlen = Varlen(*cu_seqlens, *plan.sizes[3:5]) if plan.varlen else None
+        options = Options(*plan.rest[2:5])
+        bwd_into(*grads, dout, q, k, v, out, lse, plan.sizes[6], plan.sizes[7], plan.deterministic, varlen, options)
         return tuple(grads)
     dq, dk, dv = (_empty_contiguous(t) for t in (q, k, v))
     dq_accum = q.new_empty(bwd.dq_accum_floats, dtype=torch.float32)
     d_rowsum = dq if bwd.d_rowsum_in_dq else lse.new_empty(lse.shape)
-    dk_k, dv_k = (dk, dv) if not bwd.grouped else (q.new_empty(k.shape[:2] + q.shape[2:]) for _ in range(2))
+    dk_k, dv_k = (dk, dv) if not bwd.grouped else (q.new_empty(k.shape[:-2] + q.shape[-2:]) for _ in range(2))
     qs, ks, vs, os_ = plan.strides
+    cu_q, cu_k = (t.data_ptr() for t in cu_seqlens) if plan.varlen else (0, 0)
     compiled_module().bwd(
         *plan.head,
         (q.data_ptr(), *qs),
@@ -729,6 +744,8 @@ def _backward_planned(plan: FwdPlan, dout, q, k, v, out, lse) -> tuple[torch.Ten
         lse.data_ptr(),
         *plan.sizes,
         _stream(q.device),
+        cu_q,
+        cu_k,
         *plan.rest,
         (dout.data_ptr(), *bwd.dout_strides),
         _operand(dq),
@@ -740,7 +757,7 @@ def _backward_planned(plan: FwdPlan, dout, q, k, v, out, lse) -> tuple[torch.Ten
         plan.deterministic,
     )
     if bwd.grouped:
-        nheads, nheads_k = q.shape[2], k.shape[2]
+        nheads, nheads_k = q.shape[-2], k.shape[-2]
         for given, computed in ((dk, dk_k), (dv, dv_k)):
             torch.sum(computed.unflatten(-2, (nheads_k, nheads // nheads_k)), dim=-2, out=given)
     return dq, dk, dv
@@ -748,12 +765,13 @@ def _backward_planned(plan: FwdPlan, dout, q, k, v, out, lse) -> tuple[torch.Ten
 
 class PlannedAttention(torch.autograd.Function):
     """Attention's autograd rules for the calls a FwdPlan serves: the same kernels, with the checks and the planning
-    done once per signature. Returns out and the log-sum-exp (not differentiable)."""
+    done once per signature. cu_seqlens: a variable-length batch's cu_seqlens_q and cu_seqlens_k. Returns out and
+    the log-sum-exp (not differentiable)."""
 
     @staticmethod
-    def forward(ctx, plan: FwdPlan, ptrs: tuple[int, int, int], q, k, v):
+    def forward(ctx, plan: FwdPlan, ptrs: tuple, q, k, v, *cu_seqlens):
         out, lse = _run_planned(plan, ptrs, q)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *cu_seqlens)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -761,17 +779,20 @@ class PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return None, None, *_backward_planned(ctx.plan, grad_out, *ctx.saved_tensors)
+        saved = ctx.saved_tensors
+        return None, None, *_backward_planned(ctx.plan, grad_out, *saved), *[None] * (len(saved) - 5)
 
 
-def run_planned(plan: FwdPlan, q, k, v) -> torch.Tensor | None:
+def run_planned(plan: FwdPlan, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None) -> torch.Tensor | None:
     """out of a call with a FwdPlan (through PlannedAttention where a gradient is wanted), or None where this call
     cannot take it: an operand not 16-byte aligned, or another current device (the general path handles both)."""
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
     if (ptrs[0] | ptrs[1] | ptrs[2]) % 16 or plan.device != _current_device():
         return None
+    cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if plan.varlen else ()
+    ptrs += tuple(t.data_ptr() for t in cu_seqlens) if cu_seqlens else (0, 0)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return PlannedAttention.apply(plan, ptrs, q, k, v)[0]
+        return PlannedAttention.apply(plan, ptrs, q, k, v, *cu_seqlens)[0]
     return _run_planned(plan, ptrs, q)[0]
 
 

@@ -189,14 +189,13 @@ _MAX_PLANS = 1024
 
 def _plan_key(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
               return_attn_probs) -> tuple | None:  # fmt: skip
-    """The signature of an eager call on separate q, k, v tensors of a fixed-length batch without dropout, ALiBi or
-    return_attn_probs, or None for another call. It holds what the checks, the padding and the kernel's plan read
-    (shapes, strides, dtypes, devices, the scalar arguments with their types, the environment that picks the kernel
-    family), so that a call with the key of one that passed them passes them too; the tensors' addresses are checked
-    per call (_ops.run_planned)."""
+    """The signature of an eager call on separate q, k, v tensors (of a fixed- or variable-length batch) without
+    dropout, ALiBi or return_attn_probs, or None for another call. It holds what the checks, the padding and the
+    kernel's plan read (shapes, strides, dtypes, devices, the scalar arguments with their types, the environment that
+    picks the kernel family), so that a call with the key of one that passed them passes them too; the tensors'
+    addresses are checked per call (_ops.run_planned)."""
     if (
-        varlen is not None
-        or alibi_slopes is not None
+        alibi_slopes is not None
         or return_attn_probs
         or type(dropout_p) not in (float, int)
         or dropout_p != 0
@@ -230,6 +229,12 @@ def _plan_key(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, so
         bool(deterministic),
         _ops.environment(),
     )
+    if varlen is not None:
+        cu_q, cu_k, max_q, max_k = varlen
+        if not (type(cu_q) is torch.Tensor and type(cu_k) is torch.Tensor):
+            return None
+        key += (cu_q.shape, cu_q.stride(), cu_q.dtype, cu_q.device, cu_k.shape, cu_k.stride(), cu_k.dtype, cu_k.device)
+        key += (max_q, type(max_q), max_k, type(max_k))
     try:
         hash(key)
     except TypeError:
@@ -259,9 +264,10 @@ def _attention(
     )  # fmt: skip
     plan = None if key is None else _plans.get(key)
     if plan:
-        out = _ops.run_planned(plan, q, k, v)
+        out = _ops.run_planned(plan, q, k, v, *(varlen or ())[:2])
         if out is not None:
             return out
+    given_varlen = varlen
     dropout_p = _check_dropout(dropout_p)
     if softmax_scale is not None:
         _check_scale(softmax_scale)
@@ -287,11 +293,15 @@ def _attention(
     if plan is None and key is not None and not pad:  # checked: plan the calls with its signature
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
-        plan = _plans[key] = (
-            _ops.plan_forward(q, k, v, float(softmax_scale), bool(causal), options, bool(deterministic)) or False
-        )
+        plan = False
+        # (a plan passes the offsets as given: they must be contiguous, as the checked ones are)
+        if given_varlen is None or all(cu.is_contiguous() for cu in given_varlen[:2]):
+            checked_varlen = None if given_varlen is None else _ops.Varlen(*varlen)
+            args = (float(softmax_scale), bool(causal), checked_varlen, options, bool(deterministic))
+            plan = _ops.plan_forward(q, k, v, *args) or False
+        _plans[key] = plan
         if plan:
-            out = _ops.run_planned(plan, q, k, v)
+            out = _ops.run_planned(plan, q, k, v, *(given_varlen or ())[:2])
             if out is not None:
                 return out
     out, lse = _ops.forward(q, k, v, *varlen, float(softmax_scale), bool(causal), *options, bool(deterministic))
