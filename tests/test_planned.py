@@ -7,7 +7,27 @@ import torch
 
 from cuteflash import _ops, flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func, interface
 
-pytestmark = pytest.mark.gpu
+
+def test_plan_keys():
+    """The calls that get a key (and so may get a plan), and what tells keys apart (no GPU needed)."""
+    q, k, v = (torch.zeros(1, 4, 2, 8, dtype=torch.float16) for _ in range(3))
+
+    def key(q=q, **kw):
+        args = dict(varlen=None, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False)  # fmt: skip
+        return interface._plan_key(q, k, v, *{**args, **kw}.values())
+
+    assert key() == key() and key() is not None
+    for kw in (dict(dropout_p=0.1), dict(alibi_slopes=torch.ones(2)), dict(return_attn_probs=True),
+               dict(window_size=[-1, -1]), dict(dropout_p=torch.tensor(0.0))):  # fmt: skip
+        assert key(**kw) is None, kw
+    for kw in (dict(causal=True), dict(softcap=1.0), dict(softmax_scale=0.5), dict(window_size=(-1.0, -1)),
+               dict(softcap=0), dict(q=q.transpose(1, 2).contiguous().transpose(1, 2))):  # fmt: skip
+        assert key(**kw) != key(), kw
+    cu = torch.zeros(2, dtype=torch.int32)
+    assert key(varlen=(cu, cu, 4, 4)) != key(varlen=(cu, cu, 5, 4))
+    assert key(varlen=(cu, cu.long(), 4, 4)) != key(varlen=(cu, cu, 4, 4))
+    assert key(varlen=(cu, [0, 4], 4, 4)) is None
 
 
 @pytest.fixture
@@ -39,6 +59,7 @@ SHAPES = [(2, 130, 130, 4, 4, 64), (2, 77, 300, 6, 2, 128), (3, 1, 2048, 8, 2, 1
 OPTIONS = [dict(causal=True), dict(causal=False, window_size=(32, 8)), dict(causal=True, softcap=20.0)]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("options", OPTIONS, ids=["causal", "window", "softcap"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
@@ -60,6 +81,7 @@ def test_planned_calls_equal_the_general_path(shape, options, backward, make_qkv
     assert any(isinstance(plan, _ops.FwdPlan) for plan in interface._plans.values())
 
 
+@pytest.mark.gpu
 def test_strided_views_and_misaligned_tensors(make_qkv, require_support, general_path):
     """q and dout as transposed views (read in place through their strides: a plan), and a q 8 bytes off a 16-byte
     boundary after a plan was made for its signature (the general path copies it): the same results."""
@@ -91,6 +113,7 @@ def _key(q, k, v, kwargs):
     )  # fmt: skip
 
 
+@pytest.mark.gpu
 def test_a_plan_does_not_skip_the_checks(make_qkv):
     """After a plan was made for one call, calls that differ in what the checks read are still checked."""
     q, k, v = make_qkv(1, 64, 64, 4, 4, 64, torch.float16)
@@ -108,6 +131,7 @@ def test_a_plan_does_not_skip_the_checks(make_qkv):
         flash_attn_func(q, k, v, causal=True, softmax_scale=-1.0)
 
 
+@pytest.mark.gpu
 def test_signatures_that_are_not_planned(make_qkv):
     """A padded head dim, dropout and packed q, k, v make no plan."""
     q, k, v = make_qkv(1, 64, 64, 2, 2, 60, torch.float16)
@@ -119,6 +143,7 @@ def test_signatures_that_are_not_planned(make_qkv):
     assert not interface._plans
 
 
+@pytest.mark.gpu
 def test_the_environment_picks_the_plan(make_qkv, monkeypatch):
     """CUTEFLASH_BACKEND chooses the family of the plan that serves a call, as it does for the general path."""
     from cuteflash._lib import build_info
@@ -141,6 +166,7 @@ def _varlen_call(q, k, v, cu_q, cu_k, max_q, max_k, dout, **kwargs):
     return (out, *(t.grad for t in leaves))
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("options", OPTIONS, ids=["causal", "window", "softcap"])
 @pytest.mark.parametrize("nheads_k", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])

@@ -193,7 +193,7 @@ def _plan_key(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, so
     dropout, ALiBi or return_attn_probs, or None for another call. It holds what the checks, the padding and the
     kernel's plan read (shapes, strides, dtypes, devices, the scalar arguments with their types, the environment that
     picks the kernel family), so that a call with the key of one that passed them passes them too; the tensors'
-    addresses are checked per call (_ops.run_planned)."""
+    addresses are checked per call (_ops.run_planned). It may hold an argument that cannot be hashed."""
     if (
         alibi_slopes is not None
         or return_attn_probs
@@ -235,10 +235,6 @@ def _plan_key(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, so
             return None
         key += (cu_q.shape, cu_q.stride(), cu_q.dtype, cu_q.device, cu_k.shape, cu_k.stride(), cu_k.dtype, cu_k.device)
         key += (max_q, type(max_q), max_k, type(max_k))
-    try:
-        hash(key)
-    except TypeError:
-        return None
     return key
 
 
@@ -262,7 +258,10 @@ def _attention(
         q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs,
     )  # fmt: skip
-    plan = None if key is None else _plans.get(key)
+    try:
+        plan = None if key is None else _plans.get(key)
+    except TypeError:  # an argument that cannot be hashed: no plan for its calls
+        key = plan = None
     if plan:
         out = _ops.run_planned(plan, q, k, v, *(varlen or ())[:2])
         if out is not None:
