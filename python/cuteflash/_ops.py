@@ -616,8 +616,8 @@ def plan_forward(
 ) -> FwdPlan | None:
     """The FwdPlan of a call whose arguments interface.py has checked (varlen's offsets contiguous), or None where
     the plan cannot serve it: an operand whose strides the kernels cannot read in place, a head dim that is padded,
-    no query, no key or no sequence, another device than the current one, or dropout or ALiBi (their tensors change
-    per call). Each call checks its own addresses (run_planned)."""
+    no query, no key or no sequence, or dropout or ALiBi (their tensors change per call). Each call checks its own
+    addresses and that its device is the current one (run_planned)."""
     if (
         options.dropout_p > 0
         or options.alibi_slopes is not None
@@ -626,7 +626,6 @@ def plan_forward(
         or _no_keys(q, k, varlen)
         or q.numel() == 0
         or (varlen is not None and varlen.cu_seqlens_q.numel() < 2)
-        or q.device.index != _current_device()
     ):
         return None
     family = select_family(q.device)
@@ -638,9 +637,10 @@ def plan_forward(
     # or (nheads, total_q))
     problem = _problem(family, q, k, v, q, q, softmax_scale, causal, varlen, options, sizes)
     seqlen_k = problem[11]
-    decode, splits, o_accum_floats, lse_accum_floats = compiled_module().fwd_plan(  # (on the current device)
-        family, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim, varlen is not None, False, False, 0
-    )
+    decode, splits, o_accum_floats, lse_accum_floats = _launch(  # (fwd_plan reads the device's size)
+        q.device, compiled_module().fwd_plan, family, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
+        varlen is not None, False, False, 0,
+    )  # fmt: skip
     lse_shape = _lse_shape(q, varlen)
     lse_strides = (lse_shape[1], 1) if varlen is not None else (nheads * seqlen_q, seqlen_q, 1)
     out_strides = (0 if varlen is not None else seqlen_q * nheads * head_dim, nheads * head_dim, head_dim)
