@@ -5,7 +5,14 @@ refuse and fall back exactly where the general path would."""
 import pytest
 import torch
 
-from cuteflash import _ops, flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func, interface
+from cuteflash import (
+    _ops,
+    flash_attn_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+    interface,
+)
 
 
 def test_plan_keys():
@@ -195,5 +202,56 @@ def test_planned_varlen_calls_equal_the_general_path(nheads_k, options, backward
     for _ in range(2):
         got = _varlen_call(q, k, v, strided_q, strided_k, *args[5:], **kwargs)
         for x, y in zip(got, expected):
+            assert torch.equal(x, y)
+    assert sorted(map(bool, interface._plans.values())) == [False, True]
+
+
+KV_CASES = [
+    # (seqlen_q, nheads, nheads_k, new keys, page size, leftpad, batch_idx, num_splits)
+    (1, 8, 2, 1, None, False, True, 0),  # the decoding kernel, its keys split, appending
+    (1, 4, 4, 0, 16, True, False, 3),  # paged, three splits
+    (40, 4, 2, 40, None, True, False, 0),  # the tiled kernels, appending
+    (40, 4, 4, 40, 32, False, False, 1),  # the tiled kernels over a paged cache
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", KV_CASES, ids=lambda c: "q{}-h{}/{}-new{}-page{}-lp{}-bi{}-s{}".format(*c))
+def test_planned_kvcache_calls_equal_the_general_path(case, require_head_dim, general_path):
+    """flash_attn_with_kvcache: planned calls append and attend as the general path does, bit for bit; int32
+    arguments that are not contiguous (which the general path copies) make no plan."""
+    seqlen_q, nheads, nheads_k, new, page, leftpad, batch_idx, splits = case
+    require_head_dim(128)
+    batch, rows = 3, 320
+    dev = dict(device="cuda", dtype=torch.float16)
+    q = torch.randn(batch, seqlen_q, nheads, 128, **dev)
+    k_cache, v_cache = (torch.randn(batch + 2, rows, nheads_k, 128, **dev) for _ in range(2))
+    k, v = (torch.randn(batch, new, nheads_k, 128, **dev) if new else None for _ in range(2))
+    ints = dict(dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor([0, 131, rows - new], **ints)
+    pad = torch.tensor([0, 57, 100], **ints) if leftpad else None
+    idx = torch.tensor([4, 0, 2], **ints) if batch_idx else None
+    table = None
+    if page is not None:  # each sequence's rows as pages of the pool, in reverse order
+        k_cache, v_cache = (t[:batch].reshape(-1, page, nheads_k, 128) for t in (k_cache, v_cache))
+        table = torch.arange(k_cache.shape[0], **ints).flip(0).view(batch, -1).contiguous()
+
+    def run(seqlens=seqlens, pad=pad):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out, lse = flash_attn_with_kvcache(
+            q, kc, vc, k, v, cache_seqlens=seqlens, cache_batch_idx=idx, cache_leftpad=pad, block_table=table,
+            causal=True, num_splits=splits, return_softmax_lse=True,
+        )  # fmt: skip
+        return out, lse, kc, vc
+
+    expected = general_path(run)
+    interface._plans.clear()
+    for _ in range(3):
+        for name, x, y in zip(("out", "lse", "k_cache", "v_cache"), run(), expected):
+            assert torch.equal(x, y), f"{name} differs from the general path's"
+    assert [type(plan) for plan in interface._plans.values()] == [_ops.KvcachePlan]
+    strided = torch.stack((seqlens, seqlens), dim=1)[:, 0]
+    for _ in range(2):
+        for x, y in zip(run(seqlens=strided), expected):
             assert torch.equal(x, y)
     assert sorted(map(bool, interface._plans.values())) == [False, True]

@@ -612,18 +612,29 @@ class BwdPlan(NamedTuple):
 
 
 def plan_forward(
-    q, k, v, softmax_scale: float, causal: bool, varlen: Varlen | None, options: Options, deterministic: bool
+    q,
+    k,
+    v,
+    softmax_scale: float,
+    causal: bool,
+    varlen: Varlen | None,
+    options: Options,
+    deterministic: bool,
+    cache: Cache | None = None,
+    num_splits: int = 0,
 ) -> FwdPlan | None:
     """The FwdPlan of a call whose arguments interface.py has checked (varlen's offsets contiguous), or None where
     the plan cannot serve it: an operand whose strides the kernels cannot read in place, a head dim that is padded,
     no query, no key or no sequence, or dropout or ALiBi (their tensors change per call). Each call checks its own
-    addresses and that its device is the current one (run_planned)."""
+    addresses and that its device is the current one (run_planned). With a cache (a KV-cache call, num_splits
+    flash-attn's), k and v are the caches."""
     if (
         options.dropout_p > 0
         or options.alibi_slopes is not None
         or q.shape[-1] % 8
         or not all(readable_strides(t.stride()) for t in (q, k, v))
         or _no_keys(q, k, varlen)
+        or (cache is not None and cache_rows(k, cache.block_table) == 0)
         or q.numel() == 0
         or (varlen is not None and varlen.cu_seqlens_q.numel() < 2)
     ):
@@ -635,11 +646,12 @@ def plan_forward(
     nheads_k, head_dim = k.shape[-2:]
     # (q stands in for out and lse, whose memory each call allocates: out contiguous, lse (batch, nheads, seqlen_q)
     # or (nheads, total_q))
-    problem = _problem(family, q, k, v, q, q, softmax_scale, causal, varlen, options, sizes)
+    seqlen_k = None if cache is None else cache_rows(k, cache.block_table)
+    problem = _problem(family, q, k, v, q, q, softmax_scale, causal, varlen, options, sizes, seqlen_k)
     seqlen_k = problem[11]
     decode, splits, o_accum_floats, lse_accum_floats = _launch(  # (fwd_plan reads the device's size)
         q.device, compiled_module().fwd_plan, family, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
-        varlen is not None, False, False, 0,
+        varlen is not None, False, cache is not None, num_splits,
     )  # fmt: skip
     lse_shape = _lse_shape(q, varlen)
     lse_strides = (lse_shape[1], 1) if varlen is not None else (nheads * seqlen_q, seqlen_q, 1)
@@ -663,9 +675,10 @@ def plan_forward(
     )
 
 
-def _run_planned(plan: FwdPlan, ptrs: tuple, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_planned(plan: FwdPlan, ptrs: tuple, q: torch.Tensor, cache: tuple | None = None) -> tuple[torch.Tensor, ...]:
     """out and the log-sum-exp of a call that plan serves: ptrs are the addresses of its q, k, v (16-byte aligned),
-    then of its cu_seqlens_q and cu_seqlens_k (0 for a fixed-length batch)."""
+    then of its cu_seqlens_q and cu_seqlens_k (0 for a fixed-length batch); cache: a KV-cache call's cache argument
+    (_cache_arg)."""
     out = torch.empty_like(q) if plan.q_contiguous else torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty_strided(plan.lse_shape, plan.lse_strides, dtype=torch.float32, device=q.device)
     stream = _stream(q.device)
@@ -690,7 +703,7 @@ def _run_planned(plan: FwdPlan, ptrs: tuple, q: torch.Tensor) -> tuple[torch.Ten
         ptrs[3],
         ptrs[4],
         *plan.rest,
-        None,
+        cache,
         plan.decode,
         plan.splits,
         o_accum,
@@ -794,6 +807,57 @@ def run_planned(plan: FwdPlan, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None) ->
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return PlannedAttention.apply(plan, ptrs, q, k, v, *cu_seqlens)[0]
     return _run_planned(plan, ptrs, q)[0]
+
+
+class KvcachePlan(NamedTuple):
+    """A flash_attn_with_kvcache call worked out once (interface.py keeps one per call signature): the forward pass's
+    FwdPlan over the caches, the cache argument's fields but for its tensors' addresses, and, where the call appends
+    new keys, append_kv's arguments but for the operands' addresses and the stream."""
+
+    fwd: FwdPlan
+    cache: tuple  # (seqlen_new, kv_batch, kv_rows, block_table_stride, page_size, num_pages)
+    append: tuple | None  # k's, v's, k_cache's, v_cache's strides, then batch, seqlen_new, nheads_k, head_dim
+
+
+def plan_kvcache(q, k_cache, v_cache, k, v, cache: Cache, softmax_scale, causal, options, num_splits):
+    """The KvcachePlan of a checked call (the given int32 tensors contiguous), or None where plan_forward has none or
+    k and v are not read in place."""
+    fwd = plan_forward(q, k_cache, v_cache, softmax_scale, causal, None, options, False, cache, num_splits)
+    if fwd is None or (k is not None and not all(readable_strides(t.stride()) for t in (k, v))):
+        return None
+    cache_fields = _cache_arg(cache, k_cache)
+    append = None
+    if k is not None:
+        append = (*(_operand(t)[1:] for t in (k, v, k_cache, v_cache)), *k.shape)
+    return KvcachePlan(fwd, (cache_fields[1], *cache_fields[4:6], *cache_fields[7:]), append)
+
+
+def run_planned_kvcache(plan: KvcachePlan, q, k_cache, v_cache, k, v, cache: Cache) -> tuple | None:
+    """out and the log-sum-exp of a flash_attn_with_kvcache call with a plan, having appended k and v, or None where
+    this call cannot take it: an operand not 16-byte aligned, or another current device."""
+    ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+    new = () if k is None else (k.data_ptr(), v.data_ptr())
+    if (ptrs[0] | ptrs[1] | ptrs[2] | (new[0] | new[1] if new else 0)) % 16 or plan.fwd.device != _current_device():
+        return None
+    seqlen_new, kv_batch, kv_rows, table_stride, page_size, num_pages = plan.cache
+    table = _ptr(cache.block_table)
+    cache_arg = (
+        cache.seqlens.data_ptr(),
+        seqlen_new,
+        _ptr(cache.leftpad),
+        _ptr(cache.batch_idx),
+        kv_batch,
+        kv_rows,
+        table,
+        table_stride,
+        page_size,
+        num_pages,
+    )
+    if new:
+        ks, vs, kcs, vcs, *sizes = plan.append
+        operands = ((new[0], *ks), (new[1], *vs), (ptrs[1], *kcs), (ptrs[2], *vcs))
+        compiled_module().append_kv(plan.fwd.head[0], *operands, *sizes, cache_arg, _stream(q.device))
+    return _run_planned(plan.fwd, (*ptrs, 0, 0), q, cache_arg)
 
 
 def kvcache_impl(

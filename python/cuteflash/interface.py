@@ -712,6 +712,44 @@ def _paged_varlen(
     return (out, lse, None) if return_attn_probs else out
 
 
+def _signature(t) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                 softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits) -> tuple | None:  # fmt: skip
+    """_plan_key for flash_attn_with_kvcache: the signature of an eager call with cache_seqlens a tensor, without
+    rotary embeddings or ALiBi, or None for another call."""
+    tensors = (q, k_cache, v_cache, cache_seqlens)
+    optional = (k, v, cache_batch_idx, cache_leftpad, block_table)
+    if (
+        rotary_cos is not None
+        or alibi_slopes is not None
+        or type(window_size) is not tuple
+        or len(window_size) != 2
+        or not all(type(t) is torch.Tensor for t in tensors)
+        or not all(t is None or type(t) is torch.Tensor for t in optional)
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    return (
+        "kvcache",
+        *map(_signature, tensors),
+        *map(_signature, optional),
+        softmax_scale,
+        type(softmax_scale),
+        bool(causal),
+        window_size,
+        type(window_size[0]),
+        type(window_size[1]),
+        softcap,
+        type(softcap),
+        num_splits,
+        type(num_splits),
+        _ops.environment(),
+    )
+
+
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -775,6 +813,19 @@ def flash_attn_with_kvcache(
     Return:
         out: (batch_size, seqlen_q, nheads, headdim), and softmax_lse if return_softmax_lse. No backward pass.
     """
+    key = _kvcache_key(
+        q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+    )  # fmt: skip
+    try:
+        plan = None if key is None else _plans.get(key)
+    except TypeError:  # an argument that cannot be hashed: no plan for its calls
+        key = plan = None
+    given = _ops.Cache(cache_seqlens, 0, cache_leftpad, cache_batch_idx, block_table)
+    if plan:
+        result = _ops.run_planned_kvcache(plan, q, k_cache, v_cache, k, v, given)
+        if result is not None:
+            return result if return_softmax_lse else result[0]
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(
             f"q must be a (batch_size, seqlen_q, nheads, headdim) tensor, got "
@@ -813,6 +864,22 @@ def flash_attn_with_kvcache(
         raise ValueError(f"num_splits must be an int >= 0 (0: chosen for the GPU, 1: no split), got {num_splits!r}")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("pass both rotary_cos and rotary_sin, or neither")
+    if plan is None and key is not None:  # checked: plan the calls with its signature
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        plan = False
+        # (a plan passes the int32 tensors as given: they must be contiguous, as the checked ones are)
+        if all(t is None or t.is_contiguous() for t in given[:1] + given[2:]):
+            cache = _ops.Cache(
+                cache_seqlens, 0 if k is None else k.shape[1], cache_leftpad, cache_batch_idx, block_table
+            )
+            options = _ops.Options(window_left, window_right, softcap)
+            plan = _ops.plan_kvcache(q, k_cache, v_cache, k, v, cache, float(scale), bool(causal), options, num_splits)
+        _plans[key] = plan = plan or False
+        if plan:
+            result = _ops.run_planned_kvcache(plan, q, k_cache, v_cache, k, v, given)
+            if result is not None:
+                return result if return_softmax_lse else result[0]
     if rotary_cos is not None:
         if k is None:
             raise ValueError("rotary_cos and rotary_sin apply to new keys: pass k and v as well")
