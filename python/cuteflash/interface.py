@@ -187,6 +187,16 @@ _plans: dict = {}
 _MAX_PLANS = 1024
 
 
+def _options_key(softmax_scale, causal, window_size, softcap) -> tuple | None:
+    """The part of a plan key (_plan_key, _kvcache_key) that holds the scalar arguments both kinds of call take, with
+    their types, and the environment that picks the kernels; None for a window_size that is not a tuple of two."""
+    if type(window_size) is not tuple or len(window_size) != 2:
+        return None
+    window_types = (type(window_size[0]), type(window_size[1]))
+    scalars = (softmax_scale, type(softmax_scale), bool(causal), window_size, window_types, softcap, type(softcap))
+    return scalars + _ops.environment()
+
+
 def _plan_key(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
               return_attn_probs) -> tuple | None:  # fmt: skip
     """The signature of an eager call on separate q, k, v tensors (of a fixed- or variable-length batch) without
@@ -200,9 +210,8 @@ def _plan_key(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, so
         or type(dropout_p) not in (float, int)
         or dropout_p != 0
         or not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor)
-        or type(window_size) is not tuple
-        or len(window_size) != 2
         or torch.compiler.is_compiling()
+        or (options := _options_key(softmax_scale, causal, window_size, softcap)) is None
     ):
         return None
     key = (
@@ -218,16 +227,8 @@ def _plan_key(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, so
         q.device,
         k.device,
         v.device,
-        softmax_scale,
-        type(softmax_scale),
-        bool(causal),
-        window_size,
-        type(window_size[0]),
-        type(window_size[1]),
-        softcap,
-        type(softcap),
         bool(deterministic),
-        _ops.environment(),
+        options,
     )
     if varlen is not None:
         cu_q, cu_k, max_q, max_k = varlen
@@ -725,29 +726,13 @@ def _kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_bat
     if (
         rotary_cos is not None
         or alibi_slopes is not None
-        or type(window_size) is not tuple
-        or len(window_size) != 2
         or not all(type(t) is torch.Tensor for t in tensors)
         or not all(t is None or type(t) is torch.Tensor for t in optional)
         or torch.compiler.is_compiling()
+        or (options := _options_key(softmax_scale, causal, window_size, softcap)) is None
     ):
         return None
-    return (
-        "kvcache",
-        *map(_signature, tensors),
-        *map(_signature, optional),
-        softmax_scale,
-        type(softmax_scale),
-        bool(causal),
-        window_size,
-        type(window_size[0]),
-        type(window_size[1]),
-        softcap,
-        type(softcap),
-        num_splits,
-        type(num_splits),
-        _ops.environment(),
-    )
+    return ("kvcache", *map(_signature, tensors), *map(_signature, optional), num_splits, type(num_splits), options)
 
 
 def flash_attn_with_kvcache(
