@@ -603,12 +603,23 @@ class FwdPlan(NamedTuple):
 
 class BwdPlan(NamedTuple):
     """The backward pass of a FwdPlan's calls for one dout stride: dout's strides, dq_accum's size, whether D lives in
-    dq, and whether dK and dV are summed over groups of query heads (MQA/GQA)."""
+    dq, whether dK and dV are summed over groups of query heads (MQA/GQA), whether q, k and v are contiguous (their
+    gradients are allocated like them), and the strides of the gradients the kernels write (dK and dV per query head
+    where grouped)."""
 
     dout_strides: tuple
     dq_accum_floats: int
     d_rowsum_in_dq: bool
     grouped: bool
+    contiguous: tuple
+    grad_strides: tuple
+
+
+def _contiguous_strides(shape) -> tuple[int, int, int]:
+    """The operand strides (batch, row, head) of a contiguous tensor of this shape; a batch stride of 0 for the
+    packed rows (total, heads, dim) of a variable-length batch."""
+    row = shape[-2] * shape[-1]
+    return (shape[-3] * row if len(shape) == 4 else 0, row, shape[-1])
 
 
 def plan_forward(
@@ -714,7 +725,7 @@ def _run_planned(plan: FwdPlan, ptrs: tuple, q: torch.Tensor, cache: tuple | Non
     return out, lse
 
 
-def _bwd_plan(plan: FwdPlan, dout: torch.Tensor, q, k) -> BwdPlan | bool:
+def _bwd_plan(plan: FwdPlan, dout: torch.Tensor, q, k, v) -> BwdPlan | bool:
     """plan's BwdPlan for dout's strides, made on first use; False where the kernels cannot read dout's strides in
     place or this build has no backward kernels (the general path then copies dout, or raises)."""
     key = dout.stride()
@@ -727,7 +738,11 @@ def _bwd_plan(plan: FwdPlan, dout: torch.Tensor, q, k) -> BwdPlan | bool:
             dq_accum_floats, d_rowsum_in_dq = compiled_module().bwd_workspace(
                 family, q.shape[-1], batch, nheads, seqlen_q, plan.deterministic, q.shape[0] if plan.varlen else -1
             )
-            bwd = BwdPlan(_operand(dout)[1:], dq_accum_floats, d_rowsum_in_dq, nheads != k.shape[-2])
+            grouped = nheads != k.shape[-2]
+            kv_grad = _contiguous_strides(k.shape[:-2] + q.shape[-2:] if grouped else k.shape)
+            contiguous = (plan.q_contiguous, k.is_contiguous(), v.is_contiguous())
+            grad_strides = (_contiguous_strides(q.shape), kv_grad, kv_grad)
+            bwd = BwdPlan(_operand(dout)[1:], dq_accum_floats, d_rowsum_in_dq, grouped, contiguous, grad_strides)
         plan.bwd[key] = bwd
     return bwd
 
@@ -735,18 +750,22 @@ def _bwd_plan(plan: FwdPlan, dout: torch.Tensor, q, k) -> BwdPlan | bool:
 def _backward_planned(plan: FwdPlan, dout, q, k, v, out, lse, *cu_seqlens) -> tuple[torch.Tensor, ...]:
     """dq, dk, dv of a call that plan served (bwd_into's work with the checks and the planning done); cu_seqlens: a
     variable-length batch's cu_seqlens_q and cu_seqlens_k."""
-    bwd = _bwd_plan(plan, dout, q, k)
+    bwd = _bwd_plan(plan, dout, q, k, v)
     if not bwd or dout.data_ptr() % 16 or q.device.index != _current_device():
         grads = [_empty_contiguous(t) for t in (q, k, v)]
         varlen = Varlen(*cu_seqlens, *plan.sizes[3:5]) if plan.varlen else None
         options = Options(*plan.rest[2:5])
         bwd_into(*grads, dout, q, k, v, out, lse, plan.sizes[6], plan.sizes[7], plan.deterministic, varlen, options)
         return tuple(grads)
-    dq, dk, dv = (_empty_contiguous(t) for t in (q, k, v))
-    dq_accum = q.new_empty(bwd.dq_accum_floats, dtype=torch.float32)
+    dq, dk, dv = (
+        torch.empty_like(t) if contiguous else torch.empty_like(t, memory_format=torch.contiguous_format)
+        for t, contiguous in zip((q, k, v), bwd.contiguous)
+    )
+    dq_accum = torch.empty_strided((bwd.dq_accum_floats,), (1,), dtype=torch.float32, device=q.device)
     d_rowsum = dq if bwd.d_rowsum_in_dq else lse.new_empty(lse.shape)
     dk_k, dv_k = (dk, dv) if not bwd.grouped else (q.new_empty(k.shape[:-2] + q.shape[-2:]) for _ in range(2))
     qs, ks, vs, os_ = plan.strides
+    dqs, dks, dvs = bwd.grad_strides
     cu_q, cu_k = (t.data_ptr() for t in cu_seqlens) if plan.varlen else (0, 0)
     compiled_module().bwd(
         *plan.head,
@@ -761,12 +780,12 @@ def _backward_planned(plan: FwdPlan, dout, q, k, v, out, lse, *cu_seqlens) -> tu
         cu_k,
         *plan.rest,
         (dout.data_ptr(), *bwd.dout_strides),
-        _operand(dq),
+        (dq.data_ptr(), *dqs),
         dq_accum.data_ptr(),
         bwd.dq_accum_floats,
         d_rowsum.data_ptr(),
-        _operand(dk_k),
-        _operand(dv_k),
+        (dk_k.data_ptr(), *dks),
+        (dv_k.data_ptr(), *dvs),
         plan.deterministic,
     )
     if bwd.grouped:
