@@ -321,15 +321,22 @@ def fwd_impl(
         num_splits,
     )
     cache_arg = None if cache is None else _cache_arg(cache, k)
-    accum = None
-    if splits > 1:  # o_accum, then lse_accum (o_accum_floats keeps it 16-byte aligned)
-        accum = torch.empty(o_accum_floats + lse_accum_floats, dtype=torch.float32, device=q.device)
+    counters = batch * nheads_k if decode else 0
+    workspace = _split_workspace(q.device, _stream(q.device), splits, o_accum_floats, lse_accum_floats, counters)
     problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options, sizes, seqlen_k)
-    o_accum = 0 if accum is None else accum.data_ptr()
-    lse_accum = 0 if accum is None else o_accum + 4 * o_accum_floats
-    counters = _counters(q.device, _stream(q.device), batch * nheads_k) if decode and splits > 1 else 0
-    _launch(q.device, C.fwd, *problem, cache_arg, decode, splits, o_accum, lse_accum, o_accum_floats, counters)
+    _launch(q.device, C.fwd, *problem, cache_arg, decode, splits, *workspace)
     return out, lse
+
+
+def _split_workspace(device, stream: int, splits: int, o_accum_floats: int, lse_accum_floats: int, counters: int):
+    """fwd's last four arguments for a pass in `splits` splits of the keys: (o_accum, lse_accum, o_accum_floats,
+    split_counters), with the fp32 workspace allocated where splits > 1 (o_accum, then lse_accum: o_accum_floats
+    keeps it 16-byte aligned) and `counters` split counters (the decoding kernel's; 0: none) taken from _counters."""
+    if splits <= 1:
+        return 0, 0, o_accum_floats, 0
+    accum = torch.empty(o_accum_floats + lse_accum_floats, dtype=torch.float32, device=device)
+    o_accum = accum.data_ptr()
+    return o_accum, o_accum + 4 * o_accum_floats, o_accum_floats, _counters(device, stream, counters) if counters else 0
 
 
 def append_kv(k_cache, v_cache, k, v, cache: Cache) -> None:
@@ -469,9 +476,16 @@ def bwd_into(
     )
     if dq_k is not dq:
         dq.copy_(dq_k)
+    _store_kv_grads(dk, dv, dk_k, dv_k, grouped)
+
+
+def _store_kv_grads(dk, dv, dk_k, dv_k, grouped: bool) -> None:
+    """dK and dV into dk and dv from what the kernels wrote (dk_k, dv_k): summed over each group of query heads where
+    grouped (MQA/GQA: the kernels write them per query head), else copied where the kernels wrote elsewhere."""
     for given, computed in ((dk, dk_k), (dv, dv_k)):
         if grouped:
-            torch.sum(computed.unflatten(-2, (nheads_k, nheads // nheads_k)), dim=-2, out=given)
+            nheads_k = given.shape[-2]
+            torch.sum(computed.unflatten(-2, (nheads_k, computed.shape[-2] // nheads_k)), dim=-2, out=given)
         elif computed is not given:
             given.copy_(computed)
 
@@ -639,13 +653,14 @@ def plan_forward(
     no query, no key or no sequence, or dropout or ALiBi (their tensors change per call). Each call checks its own
     addresses and that its device is the current one (run_planned). With a cache (a KV-cache call, num_splits
     flash-attn's), k and v are the caches."""
+    seqlen_k = None if cache is None else cache_rows(k, cache.block_table)  # (None: k's rows, or varlen's bound)
     if (
         options.dropout_p > 0
         or options.alibi_slopes is not None
         or q.shape[-1] % 8
         or not all(readable_strides(t.stride()) for t in (q, k, v))
         or _no_keys(q, k, varlen)
-        or (cache is not None and cache_rows(k, cache.block_table) == 0)
+        or seqlen_k == 0
         or q.numel() == 0
         or (varlen is not None and varlen.cu_seqlens_q.numel() < 2)
     ):
@@ -657,7 +672,6 @@ def plan_forward(
     nheads_k, head_dim = k.shape[-2:]
     # (q stands in for out and lse, whose memory each call allocates: out contiguous, lse (batch, nheads, seqlen_q)
     # or (nheads, total_q))
-    seqlen_k = None if cache is None else cache_rows(k, cache.block_table)
     problem = _problem(family, q, k, v, q, q, softmax_scale, causal, varlen, options, sizes, seqlen_k)
     seqlen_k = problem[11]
     decode, splits, o_accum_floats, lse_accum_floats = _launch(  # (fwd_plan reads the device's size)
@@ -693,14 +707,7 @@ def _run_planned(plan: FwdPlan, ptrs: tuple, q: torch.Tensor, cache: tuple | Non
     out = torch.empty_like(q) if plan.q_contiguous else torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty_strided(plan.lse_shape, plan.lse_strides, dtype=torch.float32, device=q.device)
     stream = _stream(q.device)
-    o_accum_floats, lse_accum_floats = plan.accum_floats
-    o_accum = lse_accum = counters = 0
-    if plan.splits > 1:  # as in fwd_impl
-        accum = torch.empty(o_accum_floats + lse_accum_floats, dtype=torch.float32, device=q.device)
-        o_accum = accum.data_ptr()
-        lse_accum = o_accum + 4 * o_accum_floats
-        if plan.counters:
-            counters = _counters(q.device, stream, plan.counters)
+    workspace = _split_workspace(q.device, stream, plan.splits, *plan.accum_floats, plan.counters)
     qs, ks, vs, os_ = plan.strides
     compiled_module().fwd(
         *plan.head,
@@ -717,10 +724,7 @@ def _run_planned(plan: FwdPlan, ptrs: tuple, q: torch.Tensor, cache: tuple | Non
         cache,
         plan.decode,
         plan.splits,
-        o_accum,
-        lse_accum,
-        o_accum_floats,
-        counters,
+        *workspace,
     )
     return out, lse
 
@@ -788,10 +792,7 @@ def _backward_planned(plan: FwdPlan, dout, q, k, v, out, lse, *cu_seqlens) -> tu
         (dv_k.data_ptr(), *dvs),
         plan.deterministic,
     )
-    if bwd.grouped:
-        nheads, nheads_k = q.shape[-2], k.shape[-2]
-        for given, computed in ((dk, dk_k), (dv, dv_k)):
-            torch.sum(computed.unflatten(-2, (nheads_k, nheads // nheads_k)), dim=-2, out=given)
+    _store_kv_grads(dk, dv, dk_k, dv_k, bwd.grouped)
     return dq, dk, dv
 
 

@@ -187,6 +187,28 @@ _plans: dict = {}
 _MAX_PLANS = 1024
 
 
+def _signature(t) -> tuple | None:
+    """What a plan key holds of a tensor argument (None: not given)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _find_plan(key) -> tuple:
+    """(key, its plan: an _ops plan, False for a signature that the planned path does not serve, None for one not
+    seen yet); (None, None) for no key or one that holds an argument that cannot be hashed."""
+    try:
+        return key, None if key is None else _plans.get(key)
+    except TypeError:
+        return None, None
+
+
+def _keep_plan(key, plan):
+    """Keeps plan (or False for None) for key's calls, and returns it."""
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    _plans[key] = plan = plan or False
+    return plan
+
+
 def _options_key(softmax_scale, causal, window_size, softcap) -> tuple | None:
     """The part of a plan key (_plan_key, _kvcache_key) that holds the scalar arguments both kinds of call take, with
     their types, and the environment that picks the kernels; None for a window_size that is not a tuple of two."""
@@ -214,28 +236,12 @@ def _plan_key(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, so
         or (options := _options_key(softmax_scale, causal, window_size, softcap)) is None
     ):
         return None
-    key = (
-        q.shape,
-        k.shape,
-        v.shape,
-        q.stride(),
-        k.stride(),
-        v.stride(),
-        q.dtype,
-        k.dtype,
-        v.dtype,
-        q.device,
-        k.device,
-        v.device,
-        bool(deterministic),
-        options,
-    )
+    key = (_signature(q), _signature(k), _signature(v), bool(deterministic), options)
     if varlen is not None:
         cu_q, cu_k, max_q, max_k = varlen
         if not (type(cu_q) is torch.Tensor and type(cu_k) is torch.Tensor):
             return None
-        key += (cu_q.shape, cu_q.stride(), cu_q.dtype, cu_q.device, cu_k.shape, cu_k.stride(), cu_k.dtype, cu_k.device)
-        key += (max_q, type(max_q), max_k, type(max_k))
+        key += (_signature(cu_q), _signature(cu_k), max_q, type(max_q), max_k, type(max_k))
     return key
 
 
@@ -259,10 +265,7 @@ def _attention(
         q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs,
     )  # fmt: skip
-    try:
-        plan = None if key is None else _plans.get(key)
-    except TypeError:  # an argument that cannot be hashed: no plan for its calls
-        key = plan = None
+    key, plan = _find_plan(key)
     if plan:
         out = _ops.run_planned(plan, q, k, v, *(varlen or ())[:2])
         if out is not None:
@@ -291,15 +294,12 @@ def _attention(
     if pad:
         q, k, v = (None if t is None else F.pad(t, (0, pad)) for t in (q, k, v))
     if plan is None and key is not None and not pad:  # checked: plan the calls with its signature
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        plan = False
         # (a plan passes the offsets as given: they must be contiguous, as the checked ones are)
         if given_varlen is None or all(cu.is_contiguous() for cu in given_varlen[:2]):
             checked_varlen = None if given_varlen is None else _ops.Varlen(*varlen)
             args = (float(softmax_scale), bool(causal), checked_varlen, options, bool(deterministic))
-            plan = _ops.plan_forward(q, k, v, *args) or False
-        _plans[key] = plan
+            plan = _ops.plan_forward(q, k, v, *args)
+        plan = _keep_plan(key, plan)
         if plan:
             out = _ops.run_planned(plan, q, k, v, *(given_varlen or ())[:2])
             if out is not None:
@@ -713,10 +713,6 @@ def _paged_varlen(
     return (out, lse, None) if return_attn_probs else out
 
 
-def _signature(t) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
 def _kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                  softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits) -> tuple | None:  # fmt: skip
     """_plan_key for flash_attn_with_kvcache: the signature of an eager call with cache_seqlens a tensor, without
@@ -802,10 +798,7 @@ def flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
         softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
     )  # fmt: skip
-    try:
-        plan = None if key is None else _plans.get(key)
-    except TypeError:  # an argument that cannot be hashed: no plan for its calls
-        key = plan = None
+    key, plan = _find_plan(key)
     given = _ops.Cache(cache_seqlens, 0, cache_leftpad, cache_batch_idx, block_table)
     if plan:
         result = _ops.run_planned_kvcache(plan, q, k_cache, v_cache, k, v, given)
@@ -850,17 +843,12 @@ def flash_attn_with_kvcache(
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("pass both rotary_cos and rotary_sin, or neither")
     if plan is None and key is not None:  # checked: plan the calls with its signature
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        plan = False
         # (a plan passes the int32 tensors as given: they must be contiguous, as the checked ones are)
         if all(t is None or t.is_contiguous() for t in given[:1] + given[2:]):
-            cache = _ops.Cache(
-                cache_seqlens, 0 if k is None else k.shape[1], cache_leftpad, cache_batch_idx, block_table
-            )
+            cache = given._replace(seqlen_new=0 if k is None else k.shape[1])
             options = _ops.Options(window_left, window_right, softcap)
             plan = _ops.plan_kvcache(q, k_cache, v_cache, k, v, cache, float(scale), bool(causal), options, num_splits)
-        _plans[key] = plan = plan or False
+        plan = _keep_plan(key, plan)
         if plan:
             result = _ops.run_planned_kvcache(plan, q, k_cache, v_cache, k, v, given)
             if result is not None:
