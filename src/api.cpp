@@ -40,12 +40,18 @@ void require(bool ok, std::string const& what) {
   if (!ok) throw std::invalid_argument("cuteflash: " + what);
 }
 
+// An operand's address: not null, and 16-byte aligned (cp.async and the 16-byte epilogue stores move 8 elements
+// at a time).
+void check_address(char const* name, uintptr_t ptr) {
+  if (ptr == 0 || ptr % 16 != 0) {
+    throw std::invalid_argument(std::string("cuteflash: ") + name +
+                                (ptr == 0 ? " is a null pointer" : " must be 16-byte aligned"));
+  }
+}
+
 void check_operand(char const* name, Operand const& t) {
-  std::string n(name);
-  const auto ptr = reinterpret_cast<uintptr_t>(t.ptr);
-  require(ptr != 0, n + " is a null pointer");
-  // cp.async and the 16-byte epilogue stores move 8 elements at a time.
-  require(ptr % 16 == 0, n + " must be 16-byte aligned");
+  check_address(name, reinterpret_cast<uintptr_t>(t.ptr));
+  const std::string n(name);
   for (int64_t stride : {t.batch_stride, t.row_stride, t.head_stride}) {
     require(stride >= 0 && stride % 8 == 0, n + " strides must be non-negative multiples of 8");
   }
@@ -338,13 +344,78 @@ std::tuple<bool, int, int64_t, int64_t> fwd_plan(std::string const& family_name,
   return {decode, splits, rows * round_up_head_dim(head_dim), rows};
 }
 
-void fwd(std::string const& family_name, int dtype_code, Operand const& q, Operand const& k, Operand const& v,
-         Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
-         int head_dim, float softmax_scale, bool causal, bool fp16_correction, uintptr_t stream, uintptr_t cu_seqlens_q,
-         uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k, int window_left, int window_right, float softcap,
-         uintptr_t alibi_slopes, int alibi_batch_stride, double dropout_p, uintptr_t rng_state,
-         std::optional<Cache> const& cache_arg, bool decode, int num_splits, uintptr_t o_accum, uintptr_t lse_accum,
-         int64_t accum_floats, uintptr_t split_counters) {
+// An address that a prepared launch (FwdLaunch, BwdLaunch) takes anew at each call: given (not 0, `align`-byte
+// aligned) where the prepared one was, 0 where it was not.
+template <typename T>
+T* readdress(T* prepared, uintptr_t given, uintptr_t align, char const* name) {
+  if ((prepared != nullptr) != (given != 0) || given % align != 0) {
+    throw std::invalid_argument(std::string("cuteflash: ") + name +
+                                (prepared != nullptr ? " must be an aligned address" : " must be 0") +
+                                " for this prepared launch");
+  }
+  return reinterpret_cast<T*>(given);
+}
+
+// The checks of a prepared launch's call: the current device is the one it was prepared on, and it takes no
+// per-call tensors but its addresses (ALiBi slopes and dropout's seed are not among them).
+void check_prepared(FwdParams const& p, int device) {
+  if (current_device() != device) {
+    throw std::invalid_argument("cuteflash: a prepared launch runs on the device it was prepared on (" +
+                                std::to_string(device) + ")");
+  }
+  require(p.alibi_slopes == nullptr && p.rng_state == nullptr, "a launch with ALiBi or dropout cannot be prepared");
+}
+
+// A checked forward pass, ready to launch: its params and kernel, for the device and stream it was prepared with.
+// fwd launches one at once; fwd_launch returns it to the planned calls (python/cuteflash/_ops.py), which run it
+// with each call's addresses and stream.
+struct FwdLaunch {
+  FwdParams p{};
+  FwdFn kernel = nullptr;
+  int device = 0;
+  uintptr_t stream = 0;
+  bool takes_counters = false;  // the decoding kernel, in splits
+
+  // Launches p with these addresses in place of the prepared ones (the workspace where p splits the keys, the
+  // cache's int32 buffers where p reads a cache) on `stream`.
+  void run(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, uintptr_t stream_,
+           uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, uintptr_t o_accum, uintptr_t lse_accum,
+           uintptr_t split_counters, uintptr_t seqused_k, uintptr_t leftpad_k, uintptr_t kv_batch_idx,
+           uintptr_t block_table) const {
+    check_prepared(p, device);
+    FwdParams call = p;
+    for (auto [operand, ptr, name] : {std::tuple{&call.q, q, "q"}, std::tuple{&call.k, k, "k"},
+                                      std::tuple{&call.v, v, "v"}, std::tuple{&call.o, out, "out"}}) {
+      check_address(name, ptr);
+      operand->ptr = reinterpret_cast<void*>(ptr);
+    }
+    call.lse = readdress(p.lse, lse, 4, "softmax_lse");
+    call.cu_seqlens_q = readdress(p.cu_seqlens_q, cu_seqlens_q, 4, "cu_seqlens_q");
+    call.cu_seqlens_k = readdress(p.cu_seqlens_k, cu_seqlens_k, 4, "cu_seqlens_k");
+    call.o_accum = readdress(p.o_accum, o_accum, 16, "o_accum");
+    call.lse_accum = readdress(p.lse_accum, lse_accum, 4, "lse_accum");
+    // (counters are optional: a call captured in a CUDA graph merges its splits in a kernel of their own)
+    if (split_counters % 4 != 0 || (split_counters != 0 && !takes_counters)) {
+      throw std::invalid_argument("cuteflash: split_counters: aligned int32 counters, for a split decoding pass only");
+    }
+    call.split_counters = reinterpret_cast<int*>(split_counters);
+    call.seqused_k = readdress(p.seqused_k, seqused_k, 4, "cache_seqlens");
+    call.leftpad_k = readdress(p.leftpad_k, leftpad_k, 4, "cache_leftpad");
+    call.kv_batch_idx = readdress(p.kv_batch_idx, kv_batch_idx, 4, "cache_batch_idx");
+    call.block_table = readdress(p.block_table, block_table, 4, "block_table");
+    kernel(call, reinterpret_cast<cudaStream_t>(stream_));
+  }
+};
+
+std::optional<FwdLaunch> fwd_launch(std::string const& family_name, int dtype_code, Operand const& q, Operand const& k,
+                                    Operand const& v, Operand const& out, uintptr_t lse, int batch, int nheads,
+                                    int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale,
+                                    bool causal, bool fp16_correction, uintptr_t stream, uintptr_t cu_seqlens_q,
+                                    uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k, int window_left,
+                                    int window_right, float softcap, uintptr_t alibi_slopes, int alibi_batch_stride,
+                                    double dropout_p, uintptr_t rng_state, std::optional<Cache> const& cache_arg,
+                                    bool decode, int num_splits, uintptr_t o_accum, uintptr_t lse_accum,
+                                    int64_t accum_floats, uintptr_t split_counters) {
   const Cache cache = cache_arg.value_or(Cache{});
   const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
   const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, dropout_p, rng_state};
@@ -352,7 +423,7 @@ void fwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
   FwdParams p{};
   if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
                        softmax_scale, causal, fp16_correction, varlen, options, cache.seqused_k != 0)) {
-    return;
+    return std::nullopt;
   }
   fill_cache(p, cache);
   require(p.block_table == nullptr || p.rng_state == nullptr, "dropout with a paged cache is not implemented");
@@ -376,9 +447,9 @@ void fwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
             "split_counters: aligned int32 counters, for the decoding kernel only");
     p.split_counters = reinterpret_cast<int*>(split_counters);
   }
-  FwdFn launch = decode ? require_kernel(find_decode, family, "decoding", DType(dtype_code), head_dim)
+  FwdFn kernel = decode ? require_kernel(find_decode, family, "decoding", DType(dtype_code), head_dim)
                         : require_kernel(find_fwd, family, "forward", DType(dtype_code), head_dim);
-  launch(p, reinterpret_cast<cudaStream_t>(stream));
+  return FwdLaunch{p, kernel, current_device(), stream, decode && num_splits > 1};
 }
 
 // Appends k_new and v_new (batch, seqlen_new, nheads_k, head_dim) to the caches at row cache_seqlens[b] of each
@@ -421,13 +492,49 @@ std::pair<int64_t, bool> bwd_workspace(std::string const& family_name, int head_
           family == Family::kSm80 && !deterministic};
 }
 
-void bwd(std::string const& family_name, int dtype_code, Operand const& q, Operand const& k, Operand const& v,
-         Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
-         int head_dim, float softmax_scale, bool causal, bool fp16_correction, uintptr_t stream, uintptr_t cu_seqlens_q,
-         uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k, int window_left, int window_right, float softcap,
-         uintptr_t alibi_slopes, int alibi_batch_stride, double dropout_p, uintptr_t rng_state, Operand const& dout,
-         Operand const& dq, uintptr_t dq_accum, int64_t dq_accum_floats_given, uintptr_t d_rowsum, Operand const& dk,
-         Operand const& dv, bool deterministic) {
+// A checked backward pass, ready to launch (as FwdLaunch): bwd launches one at once, bwd_launch returns it to the
+// planned calls.
+struct BwdLaunch {
+  BwdParams p{};
+  BwdFn kernel = nullptr;
+  int device = 0;
+  uintptr_t stream = 0;
+
+  // Launches p with these addresses in place of the prepared ones on `stream`.
+  void run(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, uintptr_t stream_,
+           uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, uintptr_t dout, uintptr_t dq, uintptr_t dq_accum,
+           uintptr_t d_rowsum, uintptr_t dk, uintptr_t dv) const {
+    check_prepared(p, device);
+    BwdParams call = p;
+    for (auto [operand, ptr, name] :
+         {std::tuple{&call.q, q, "q"}, std::tuple{&call.k, k, "k"}, std::tuple{&call.v, v, "v"},
+          std::tuple{&call.o, out, "out"}, std::tuple{&call.dout, dout, "dout"}, std::tuple{&call.dq, dq, "dq"},
+          std::tuple{&call.dk, dk, "dk"}, std::tuple{&call.dv, dv, "dv"}}) {
+      check_address(name, ptr);
+      operand->ptr = reinterpret_cast<void*>(ptr);
+    }
+    call.lse = readdress(p.lse, lse, 4, "softmax_lse");
+    call.cu_seqlens_q = readdress(p.cu_seqlens_q, cu_seqlens_q, 4, "cu_seqlens_q");
+    call.cu_seqlens_k = readdress(p.cu_seqlens_k, cu_seqlens_k, 4, "cu_seqlens_k");
+    call.d_rowsum = readdress(p.d_rowsum, d_rowsum, 4, "d_rowsum");
+    call.dq_accum = readdress(p.dq_accum, dq_accum, 16, "dq_accum");
+    if (p.dq_blocks_done != nullptr) {  // the counts follow the regions
+      call.dq_blocks_done =
+          reinterpret_cast<int*>(call.dq_accum + (reinterpret_cast<float*>(p.dq_blocks_done) - p.dq_accum));
+    }
+    kernel(call, reinterpret_cast<cudaStream_t>(stream_));
+  }
+};
+
+std::optional<BwdLaunch> bwd_launch(std::string const& family_name, int dtype_code, Operand const& q, Operand const& k,
+                                    Operand const& v, Operand const& out, uintptr_t lse, int batch, int nheads,
+                                    int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale,
+                                    bool causal, bool fp16_correction, uintptr_t stream, uintptr_t cu_seqlens_q,
+                                    uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k, int window_left,
+                                    int window_right, float softcap, uintptr_t alibi_slopes, int alibi_batch_stride,
+                                    double dropout_p, uintptr_t rng_state, Operand const& dout, Operand const& dq,
+                                    uintptr_t dq_accum, int64_t dq_accum_floats_given, uintptr_t d_rowsum,
+                                    Operand const& dk, Operand const& dv, bool deterministic) {
   const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
   const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, dropout_p, rng_state};
   Family family = parse_family(family_name);
@@ -435,7 +542,7 @@ void bwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
   if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
                        softmax_scale, causal, fp16_correction, varlen, options) ||
       (varlen.on() ? varlen.total_k : seqlen_k) == 0) {
-    return;  // the caller zeroes the gradients
+    return std::nullopt;  // the caller zeroes the gradients
   }
   check_operand("dout", dout);
   check_operand("dk", dk);
@@ -468,8 +575,18 @@ void bwd(std::string const& family_name, int dtype_code, Operand const& q, Opera
   }
   p.d_rowsum = reinterpret_cast<float*>(d_rowsum);
   p.deterministic = deterministic;
-  BwdFn launch = require_kernel(find_bwd, family, "backward", DType(dtype_code), head_dim);
-  launch(p, reinterpret_cast<cudaStream_t>(stream));
+  BwdFn kernel = require_kernel(find_bwd, family, "backward", DType(dtype_code), head_dim);
+  return BwdLaunch{p, kernel, current_device(), stream};
+}
+
+// fwd and bwd: prepare (fwd_launch, bwd_launch) and launch at once, on the stream given.
+template <typename Launch, typename... Args>
+auto at_once(std::optional<Launch> (*prepare)(Args...)) {
+  return [prepare](Args... args) {
+    if (std::optional<Launch> launch = prepare(args...)) {
+      launch->kernel(launch->p, reinterpret_cast<cudaStream_t>(launch->stream));
+    }
+  };
 }
 
 // The dropout mask of a call (dropout.cuh), for return_attn_probs: keep, uint8 (batch, nheads, rows, cols) with
@@ -571,13 +688,28 @@ void def_launcher(py::module_& m, char const* name, Func func, Own&&... own) {
         py::arg("dropout_p") = 0.0, py::arg("rng_state") = 0, std::forward<Own>(own)...);
 }
 
-// _ops.py calls fwd, bwd, fwd_plan, bwd_workspace and append_kv with positional arguments, in the order of these
-// signatures (keyword arguments cost the call a few microseconds).
+// _ops.py calls fwd, bwd, their _launch forms, fwd_plan, bwd_workspace and append_kv with positional arguments, in
+// the order of these signatures (keyword arguments cost the call a few microseconds).
 PYBIND11_MODULE(_C, m) {
   m.doc() = "cuteflash kernels; call them through cuteflash.flash_attn_func, not directly";
-  def_launcher(m, "fwd", &cuteflash::fwd, py::arg("cache") = py::none(), py::arg("decode") = false,
-               py::arg("num_splits") = 1, py::arg("o_accum") = 0, py::arg("lse_accum") = 0, py::arg("accum_floats") = 0,
-               py::arg("split_counters") = 0);
+  // fwd and fwd_launch, bwd and bwd_launch: the same parameters.
+  auto def_fwd = [&m](char const* name, auto func) {
+    def_launcher(m, name, func, py::arg("cache") = py::none(), py::arg("decode") = false, py::arg("num_splits") = 1,
+                 py::arg("o_accum") = 0, py::arg("lse_accum") = 0, py::arg("accum_floats") = 0,
+                 py::arg("split_counters") = 0);
+  };
+  auto def_bwd = [&m](char const* name, auto func) {
+    def_launcher(m, name, func, py::arg("dout"), py::arg("dq"), py::arg("dq_accum"), py::arg("dq_accum_floats"),
+                 py::arg("d_rowsum"), py::arg("dk"), py::arg("dv"), py::arg("deterministic"));
+  };
+  def_fwd("fwd", cuteflash::at_once(&cuteflash::fwd_launch));
+  def_fwd("fwd_launch", &cuteflash::fwd_launch);
+  def_bwd("bwd", cuteflash::at_once(&cuteflash::bwd_launch));
+  def_bwd("bwd_launch", &cuteflash::bwd_launch);
+  // A prepared launch: called with the addresses that change from call to call and the stream (FwdLaunch::run's,
+  // BwdLaunch::run's parameters, positional).
+  py::class_<cuteflash::FwdLaunch>(m, "FwdLaunch").def("__call__", &cuteflash::FwdLaunch::run);
+  py::class_<cuteflash::BwdLaunch>(m, "BwdLaunch").def("__call__", &cuteflash::BwdLaunch::run);
   m.def("fwd_plan", &cuteflash::fwd_plan, py::arg("family"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"),
         py::arg("seqlen_q"), py::arg("seqlen_k"), py::arg("head_dim"), py::arg("varlen"), py::arg("dropout"),
         py::arg("cache"), py::arg("num_splits"),
@@ -590,8 +722,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("bwd_workspace", &cuteflash::bwd_workspace, py::arg("family"), py::arg("head_dim"), py::arg("batch"),
         py::arg("nheads"), py::arg("seqlen_q"), py::arg("deterministic"), py::arg("total_q") = -1,
         "(dq_accum_floats, d_rowsum_in_dq): dq_accum's size in floats, and whether D may live in dq's memory.");
-  def_launcher(m, "bwd", &cuteflash::bwd, py::arg("dout"), py::arg("dq"), py::arg("dq_accum"),
-               py::arg("dq_accum_floats"), py::arg("d_rowsum"), py::arg("dk"), py::arg("dv"), py::arg("deterministic"));
   m.def("dropout_mask", &cuteflash::dropout_mask, py::kw_only(), py::arg("family"), py::arg("keep"), py::arg("rows"),
         py::arg("cols"), py::arg("batch"), py::arg("nheads"), py::arg("seqlen_q"), py::arg("seqlen_k"),
         py::arg("cu_seqlens_q"), py::arg("total_q"), py::arg("total_k"), py::arg("dropout_p"), py::arg("rng_state"),

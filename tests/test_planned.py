@@ -236,22 +236,71 @@ def test_planned_kvcache_calls_equal_the_general_path(case, require_head_dim, ge
         k_cache, v_cache = (t[:batch].reshape(-1, page, nheads_k, 128) for t in (k_cache, v_cache))
         table = torch.arange(k_cache.shape[0], **ints).flip(0).view(batch, -1).contiguous()
 
-    def run(seqlens=seqlens, pad=pad):
+    def run(seqlens=seqlens, pad=pad, keep_lse=True):
         kc, vc = k_cache.clone(), v_cache.clone()
-        out, lse = flash_attn_with_kvcache(
+        result = flash_attn_with_kvcache(
             q, kc, vc, k, v, cache_seqlens=seqlens, cache_batch_idx=idx, cache_leftpad=pad, block_table=table,
-            causal=True, num_splits=splits, return_softmax_lse=True,
+            causal=True, num_splits=splits, return_softmax_lse=keep_lse,
         )  # fmt: skip
-        return out, lse, kc, vc
+        return (*result, kc, vc) if keep_lse else (result, None, kc, vc)
 
     expected = general_path(run)
     interface._plans.clear()
-    for _ in range(3):
-        for name, x, y in zip(("out", "lse", "k_cache", "v_cache"), run(), expected):
-            assert torch.equal(x, y), f"{name} differs from the general path's"
+    for keep_lse in (False, True, True):  # (the plan made by a call without the log-sum-exp serves one with it)
+        for name, x, y in zip(("out", "lse", "k_cache", "v_cache"), run(keep_lse=keep_lse), expected):
+            assert x is None if name == "lse" and not keep_lse else torch.equal(x, y), f"{name} differs"
     assert [type(plan) for plan in interface._plans.values()] == [_ops.KvcachePlan]
     strided = torch.stack((seqlens, seqlens), dim=1)[:, 0]
     for _ in range(2):
         for x, y in zip(run(seqlens=strided), expected):
             assert torch.equal(x, y)
     assert sorted(map(bool, interface._plans.values())) == [False, True]
+
+
+@pytest.mark.gpu
+def test_prepared_launches_check_their_addresses(make_qkv, require_support):
+    """The launches a plan keeps (_C.FwdLaunch, _C.BwdLaunch) refuse a null or misaligned address, and one that the
+    prepared launch does not take, with a ValueError (never a kernel reading out of bounds)."""
+    require_support(backward=True)
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 64, 64, 2, 2, 64, torch.float16))
+    interface._plans.clear()
+    dout = torch.randn_like(q)  # (the gradient of a sum, all strides 0, would be copied: no backward plan)
+    for _ in range(2):
+        flash_attn_func(q, k, v, causal=True).backward(dout)
+    plan = interface._plans[_key(q, k, v, dict(causal=True))]
+    (bwd,) = plan.bwd.values()
+    torch.cuda.synchronize()
+    addr, stream = q.data_ptr(), torch.cuda.current_stream().cuda_stream
+    fwd_ok = [addr] * 5 + [stream] + [0] * 9  # q, k, v, out, lse, stream, then none of the optional addresses
+    for index, bad in ((0, 0), (2, addr + 8), (4, addr + 2), (6, addr), (11, addr)):
+        with pytest.raises(ValueError, match="cuteflash"):
+            plan.launch(*fwd_ok[:index], bad, *fwd_ok[index + 1 :])
+    bwd_ok = [addr] * 5 + [stream, 0, 0] + [addr] * 6
+    for index, bad in ((8, 0), (9, addr + 8), (6, addr)):
+        with pytest.raises(ValueError, match="cuteflash"):
+            bwd.launch(*bwd_ok[:index], bad, *bwd_ok[index + 1 :])
+    torch.cuda.synchronize()  # nothing was launched: the stream is clean
+
+
+@pytest.mark.gpu
+def test_planned_calls_captured_in_a_cuda_graph(make_qkv, monkeypatch):
+    """A planned call without a gradient writes its log-sum-exp to the device's shared scratch: made outside a
+    capture (a buffer that stays), and not made during one. Replays compute the eager call's out."""
+    q, k, v = make_qkv(2, 128, 128, 4, 4, 64, torch.float16)
+    interface._plans.clear()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_attn_func(q, k, v, causal=True)  # makes the plan (warm-up outside the capture)
+        monkeypatch.setattr(_ops, "_lse_scratch", {})
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            out = flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    assert not _ops._lse_scratch  # not made during the capture
+    expected = flash_attn_func(q, k, v, causal=True)  # makes the scratch
+    assert _ops._lse_scratch
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=True)) and not torch.equal(out, expected)

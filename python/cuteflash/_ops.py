@@ -613,20 +613,20 @@ class FwdPlan(NamedTuple):
     counters: int  # the decoding kernel's split counters, 0: none
     deterministic: bool
     bwd: dict
+    launch: object  # _C.FwdLaunch: the checked launch, run with each call's addresses
+    small_lse: bool  # lse fits _LSE_SCRATCH_FLOATS
 
 
 class BwdPlan(NamedTuple):
-    """The backward pass of a FwdPlan's calls for one dout stride: dout's strides, dq_accum's size, whether D lives in
-    dq, whether dK and dV are summed over groups of query heads (MQA/GQA), whether q, k and v are contiguous (their
-    gradients are allocated like them), and the strides of the gradients the kernels write (dK and dV per query head
-    where grouped)."""
+    """The backward pass of a FwdPlan's calls for one dout stride: dq_accum's size, whether D lives in dq, whether dK
+    and dV are summed over groups of query heads (MQA/GQA), whether q, k and v are contiguous (their gradients are
+    allocated like them), and the checked launch (_C.BwdLaunch)."""
 
-    dout_strides: tuple
     dq_accum_floats: int
     d_rowsum_in_dq: bool
     grouped: bool
     contiguous: tuple
-    grad_strides: tuple
+    launch: object
 
 
 def _contiguous_strides(shape) -> tuple[int, int, int]:
@@ -663,6 +663,7 @@ def plan_forward(
         or seqlen_k == 0
         or q.numel() == 0
         or (varlen is not None and varlen.cu_seqlens_q.numel() < 2)
+        or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16
     ):
         return None
     family = select_family(q.device)
@@ -681,6 +682,13 @@ def plan_forward(
     lse_shape = _lse_shape(q, varlen)
     lse_strides = (lse_shape[1], 1) if varlen is not None else (nheads * seqlen_q, seqlen_q, 1)
     out_strides = (0 if varlen is not None else seqlen_q * nheads * head_dim, nheads * head_dim, head_dim)
+    counters = batch * nheads_k if decode and splits > 1 else 0
+    # (q's address, 16-byte aligned, stands in for those of out, lse and the workspace: each call passes its own)
+    stand_in = q.data_ptr()
+    workspace = (stand_in, stand_in, o_accum_floats, stand_in if counters else 0) if splits > 1 else (0, 0, 0, 0)
+    cache_arg = None if cache is None else _cache_arg(cache, k)
+    prepared = (*problem[:5], (stand_in, *out_strides), *problem[6:])
+    launch = _launch(q.device, compiled_module().fwd_launch, *prepared, cache_arg, decode, splits, *workspace)
     return FwdPlan(
         q.device.index,
         problem[:2],
@@ -694,38 +702,69 @@ def plan_forward(
         decode,
         splits,
         (o_accum_floats, lse_accum_floats),
-        batch * nheads_k if decode and splits > 1 else 0,
+        counters,
         deterministic,
         {},
+        launch,
+        math.prod(lse_shape) <= _LSE_SCRATCH_FLOATS,
     )
 
 
-def _run_planned(plan: FwdPlan, ptrs: tuple, q: torch.Tensor, cache: tuple | None = None) -> tuple[torch.Tensor, ...]:
-    """out and the log-sum-exp of a call that plan serves: ptrs are the addresses of its q, k, v (16-byte aligned),
-    then of its cu_seqlens_q and cu_seqlens_k (0 for a fixed-length batch); cache: a KV-cache call's cache argument
-    (_cache_arg)."""
+# The log-sum-exp of forward calls that do not keep it (planned calls without a gradient): kernels only write lse, so
+# the calls of a device share one buffer (of _LSE_SCRATCH_FLOATS floats, for the calls whose lse fits), and its
+# contents are never read. It is never freed, so that a CUDA graph that captured a call may hold its address.
+_lse_scratch: dict[int, torch.Tensor] = {}
+_LSE_SCRATCH_FLOATS = 1 << 18
+
+
+def _lse_scratch_ptr(device: torch.device) -> int:
+    """The address of the device's lse scratch, or 0 where it does not exist and the current stream is being
+    captured (a buffer made during a capture would come from the graph's memory)."""
+    scratch = _lse_scratch.get(device.index)
+    if scratch is None:
+        if torch.cuda.is_current_stream_capturing():
+            return 0
+        scratch = _lse_scratch[device.index] = torch.empty(_LSE_SCRATCH_FLOATS, dtype=torch.float32, device=device)
+    return scratch.data_ptr()
+
+
+# dq_accum (the backward pass's fp32 dQ, which its first kernel zeroes) of the planned backward passes that need at
+# most _DQ_ACCUM_CACHE_FLOATS, per (device, stream) as _split_counters: the passes on one stream run in order. A pass
+# captured in a CUDA graph allocates its own, since the graph may be replayed on another stream.
+_dq_accum_cache: dict[tuple[int, int, int], torch.Tensor] = {}
+_DQ_ACCUM_CACHE_FLOATS = 1 << 20
+
+
+def _dq_accum_ptr(device: torch.device, stream: int, floats: int) -> tuple[int, torch.Tensor | None]:
+    """(address, tensor to keep until the launch: None for the stream's cached buffer) of `floats` floats (0, None
+    for none)."""
+    if floats == 0:
+        return 0, None
+    if floats > _DQ_ACCUM_CACHE_FLOATS or torch.cuda.is_current_stream_capturing():
+        accum = torch.empty_strided((floats,), (1,), dtype=torch.float32, device=device)
+        return accum.data_ptr(), accum
+    key = (device.index, stream, threading.get_ident() if stream == 2 else 0)
+    accum = _dq_accum_cache.get(key)
+    if accum is None:
+        accum = _dq_accum_cache[key] = torch.empty(_DQ_ACCUM_CACHE_FLOATS, dtype=torch.float32, device=device)
+    return accum.data_ptr(), None
+
+
+def _run_planned(
+    plan: FwdPlan, ptrs: tuple, q: torch.Tensor, keep_lse: bool = True, cache: tuple = (0, 0, 0, 0)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """out and the log-sum-exp (None where not keep_lse) of a call that plan serves: ptrs are the addresses of its
+    q, k, v (16-byte aligned), then of its cu_seqlens_q and cu_seqlens_k (0 for a fixed-length batch); cache: a
+    KV-cache call's cache_seqlens, cache_leftpad, cache_batch_idx and block_table addresses (0: none)."""
     out = torch.empty_like(q) if plan.q_contiguous else torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty_strided(plan.lse_shape, plan.lse_strides, dtype=torch.float32, device=q.device)
+    lse = None
+    lse_ptr = _lse_scratch_ptr(q.device) if not keep_lse and plan.small_lse else 0
+    if not lse_ptr:
+        lse = torch.empty_strided(plan.lse_shape, plan.lse_strides, dtype=torch.float32, device=q.device)
+        lse_ptr = lse.data_ptr()
     stream = _stream(q.device)
-    workspace = _split_workspace(q.device, stream, plan.splits, *plan.accum_floats, plan.counters)
-    qs, ks, vs, os_ = plan.strides
-    compiled_module().fwd(
-        *plan.head,
-        (ptrs[0], *qs),
-        (ptrs[1], *ks),
-        (ptrs[2], *vs),
-        (out.data_ptr(), *os_),
-        lse.data_ptr(),
-        *plan.sizes,
-        stream,
-        ptrs[3],
-        ptrs[4],
-        *plan.rest,
-        cache,
-        plan.decode,
-        plan.splits,
-        *workspace,
-    )
+    o_accum, lse_accum, _, counters = _split_workspace(q.device, stream, plan.splits, *plan.accum_floats, plan.counters)
+    plan.launch(*ptrs[:3], out.data_ptr(), lse_ptr, stream, *ptrs[3:], o_accum, lse_accum, counters, *cache)
     return out, lse
 
 
@@ -744,9 +783,18 @@ def _bwd_plan(plan: FwdPlan, dout: torch.Tensor, q, k, v) -> BwdPlan | bool:
             )
             grouped = nheads != k.shape[-2]
             kv_grad = _contiguous_strides(k.shape[:-2] + q.shape[-2:] if grouped else k.shape)
+            # (q's address, 16-byte aligned, stands in for every address: each call passes its own)
+            stand_in = q.data_ptr()
+            qs, ks, vs, os_ = ((stand_in, *strides) for strides in plan.strides)
+            cu = stand_in if plan.varlen else 0
+            launch = _launch(
+                q.device, compiled_module().bwd_launch, *plan.head, qs, ks, vs, os_, stand_in, *plan.sizes, 0, cu, cu,
+                *plan.rest, (stand_in, *_operand(dout)[1:]), (stand_in, *_contiguous_strides(q.shape)),
+                stand_in if dq_accum_floats else 0, dq_accum_floats, stand_in, (stand_in, *kv_grad),
+                (stand_in, *kv_grad), plan.deterministic,
+            )  # fmt: skip
             contiguous = (plan.q_contiguous, k.is_contiguous(), v.is_contiguous())
-            grad_strides = (_contiguous_strides(q.shape), kv_grad, kv_grad)
-            bwd = BwdPlan(_operand(dout)[1:], dq_accum_floats, d_rowsum_in_dq, grouped, contiguous, grad_strides)
+            bwd = BwdPlan(dq_accum_floats, d_rowsum_in_dq, grouped, contiguous, launch) if launch else False
         plan.bwd[key] = bwd
     return bwd
 
@@ -765,55 +813,41 @@ def _backward_planned(plan: FwdPlan, dout, q, k, v, out, lse, *cu_seqlens) -> tu
         torch.empty_like(t) if contiguous else torch.empty_like(t, memory_format=torch.contiguous_format)
         for t, contiguous in zip((q, k, v), bwd.contiguous)
     )
-    dq_accum = torch.empty_strided((bwd.dq_accum_floats,), (1,), dtype=torch.float32, device=q.device)
+    stream = _stream(q.device)
+    dq_accum = _dq_accum_ptr(q.device, stream, bwd.dq_accum_floats)
     d_rowsum = dq if bwd.d_rowsum_in_dq else lse.new_empty(lse.shape)
     dk_k, dv_k = (dk, dv) if not bwd.grouped else (q.new_empty(k.shape[:-2] + q.shape[-2:]) for _ in range(2))
-    qs, ks, vs, os_ = plan.strides
-    dqs, dks, dvs = bwd.grad_strides
     cu_q, cu_k = (t.data_ptr() for t in cu_seqlens) if plan.varlen else (0, 0)
-    compiled_module().bwd(
-        *plan.head,
-        (q.data_ptr(), *qs),
-        (k.data_ptr(), *ks),
-        (v.data_ptr(), *vs),
-        (out.data_ptr(), *os_),
-        lse.data_ptr(),
-        *plan.sizes,
-        _stream(q.device),
-        cu_q,
-        cu_k,
-        *plan.rest,
-        (dout.data_ptr(), *bwd.dout_strides),
-        (dq.data_ptr(), *dqs),
-        dq_accum.data_ptr(),
-        bwd.dq_accum_floats,
-        d_rowsum.data_ptr(),
-        (dk_k.data_ptr(), *dks),
-        (dv_k.data_ptr(), *dvs),
-        plan.deterministic,
-    )
+    bwd.launch(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), stream, cu_q, cu_k,
+        dout.data_ptr(), dq.data_ptr(), dq_accum[0], d_rowsum.data_ptr(), dk_k.data_ptr(), dv_k.data_ptr(),
+    )  # fmt: skip
     _store_kv_grads(dk, dv, dk_k, dv_k, bwd.grouped)
     return dq, dk, dv
 
 
 class PlannedAttention(torch.autograd.Function):
     """Attention's autograd rules for the calls a FwdPlan serves: the same kernels, with the checks and the planning
-    done once per signature. cu_seqlens: a variable-length batch's cu_seqlens_q and cu_seqlens_k. Returns out and
-    the log-sum-exp (not differentiable)."""
+    done once per signature. cu_seqlens: a variable-length batch's cu_seqlens_q and cu_seqlens_k. Returns out (the
+    log-sum-exp is kept for the backward pass only)."""
 
     @staticmethod
     def forward(ctx, plan: FwdPlan, ptrs: tuple, q, k, v, *cu_seqlens):
         out, lse = _run_planned(plan, ptrs, q)
         ctx.save_for_backward(q, k, v, out, lse, *cu_seqlens)
         ctx.plan = plan
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-        return out, lse
+        return out
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):
+    def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         return None, None, *_backward_planned(ctx.plan, grad_out, *saved), *[None] * (len(saved) - 5)
+
+
+# PlannedAttention.apply without the Python layer of Function.apply, which binds default arguments (forward has
+# none) and serves functorch's transforms (run_planned takes the layer while one is active).
+_apply_planned = super(torch.autograd.Function, PlannedAttention).apply
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 
 
 def run_planned(plan: FwdPlan, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None) -> torch.Tensor | None:
@@ -825,8 +859,9 @@ def run_planned(plan: FwdPlan, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None) ->
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if plan.varlen else ()
     ptrs += tuple(t.data_ptr() for t in cu_seqlens) if cu_seqlens else (0, 0)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return PlannedAttention.apply(plan, ptrs, q, k, v, *cu_seqlens)[0]
-    return _run_planned(plan, ptrs, q)[0]
+        apply = PlannedAttention.apply if _functorch_active() else _apply_planned
+        return apply(plan, ptrs, q, k, v, *cu_seqlens)
+    return _run_planned(plan, ptrs, q, keep_lse=False)[0]
 
 
 class KvcachePlan(NamedTuple):
@@ -852,32 +887,22 @@ def plan_kvcache(q, k_cache, v_cache, k, v, cache: Cache, softmax_scale, causal,
     return KvcachePlan(fwd, (cache_fields[1], *cache_fields[4:6], *cache_fields[7:]), append)
 
 
-def run_planned_kvcache(plan: KvcachePlan, q, k_cache, v_cache, k, v, cache: Cache) -> tuple | None:
-    """out and the log-sum-exp of a flash_attn_with_kvcache call with a plan, having appended k and v, or None where
-    this call cannot take it: an operand not 16-byte aligned, or another current device."""
+def run_planned_kvcache(plan: KvcachePlan, q, k_cache, v_cache, k, v, cache: Cache, keep_lse: bool) -> tuple | None:
+    """out and the log-sum-exp (None where not keep_lse) of a flash_attn_with_kvcache call with a plan, having
+    appended k and v, or None where this call cannot take it: an operand not 16-byte aligned, or another current
+    device."""
     ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
     new = () if k is None else (k.data_ptr(), v.data_ptr())
     if (ptrs[0] | ptrs[1] | ptrs[2] | (new[0] | new[1] if new else 0)) % 16 or plan.fwd.device != _current_device():
         return None
-    seqlen_new, kv_batch, kv_rows, table_stride, page_size, num_pages = plan.cache
-    table = _ptr(cache.block_table)
-    cache_arg = (
-        cache.seqlens.data_ptr(),
-        seqlen_new,
-        _ptr(cache.leftpad),
-        _ptr(cache.batch_idx),
-        kv_batch,
-        kv_rows,
-        table,
-        table_stride,
-        page_size,
-        num_pages,
-    )
+    cache_ptrs = (cache.seqlens.data_ptr(), _ptr(cache.leftpad), _ptr(cache.batch_idx), _ptr(cache.block_table))
     if new:
+        fields = plan.cache  # (seqlen_new, kv_batch, kv_rows, block_table_stride, page_size, num_pages)
+        cache_arg = (cache_ptrs[0], fields[0], *cache_ptrs[1:3], *fields[1:3], cache_ptrs[3], *fields[3:])
         ks, vs, kcs, vcs, *sizes = plan.append
         operands = ((new[0], *ks), (new[1], *vs), (ptrs[1], *kcs), (ptrs[2], *vcs))
         compiled_module().append_kv(plan.fwd.head[0], *operands, *sizes, cache_arg, _stream(q.device))
-    return _run_planned(plan.fwd, (*ptrs, 0, 0), q, cache_arg)
+    return _run_planned(plan.fwd, (*ptrs, 0, 0), q, keep_lse, cache_ptrs)
 
 
 def kvcache_impl(

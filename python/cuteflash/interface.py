@@ -801,7 +801,7 @@ def flash_attn_with_kvcache(
     key, plan = _find_plan(key)
     given = _ops.Cache(cache_seqlens, 0, cache_leftpad, cache_batch_idx, block_table)
     if plan:
-        result = _ops.run_planned_kvcache(plan, q, k_cache, v_cache, k, v, given)
+        result = _ops.run_planned_kvcache(plan, q, k_cache, v_cache, k, v, given, return_softmax_lse)
         if result is not None:
             return result if return_softmax_lse else result[0]
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -850,7 +850,7 @@ def flash_attn_with_kvcache(
             plan = _ops.plan_kvcache(q, k_cache, v_cache, k, v, cache, float(scale), bool(causal), options, num_splits)
         plan = _keep_plan(key, plan)
         if plan:
-            result = _ops.run_planned_kvcache(plan, q, k_cache, v_cache, k, v, given)
+            result = _ops.run_planned_kvcache(plan, q, k_cache, v_cache, k, v, given, return_softmax_lse)
             if result is not None:
                 return result if return_softmax_lse else result[0]
     if rotary_cos is not None:
