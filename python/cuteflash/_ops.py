@@ -756,15 +756,18 @@ def _run_planned(
     """out and the log-sum-exp (None where not keep_lse) of a call that plan serves: ptrs are the addresses of its
     q, k, v (16-byte aligned), then of its cu_seqlens_q and cu_seqlens_k (0 for a fixed-length batch); cache: a
     KV-cache call's cache_seqlens, cache_leftpad, cache_batch_idx and block_table addresses (0: none)."""
+    device = q.device
     out = torch.empty_like(q) if plan.q_contiguous else torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = None
-    lse_ptr = _lse_scratch_ptr(q.device) if not keep_lse and plan.small_lse else 0
+    lse_ptr = _lse_scratch_ptr(device) if not keep_lse and plan.small_lse else 0
     if not lse_ptr:
-        lse = torch.empty_strided(plan.lse_shape, plan.lse_strides, dtype=torch.float32, device=q.device)
+        lse = torch.empty_strided(plan.lse_shape, plan.lse_strides, dtype=torch.float32, device=device)
         lse_ptr = lse.data_ptr()
-    stream = _stream(q.device)
-    o_accum, lse_accum, _, counters = _split_workspace(q.device, stream, plan.splits, *plan.accum_floats, plan.counters)
-    plan.launch(*ptrs[:3], out.data_ptr(), lse_ptr, stream, *ptrs[3:], o_accum, lse_accum, counters, *cache)
+    stream = _stream(device)
+    workspace = (0, 0, 0, 0)
+    if plan.splits > 1:
+        workspace = _split_workspace(device, stream, plan.splits, *plan.accum_floats, plan.counters)
+    plan.launch(*ptrs[:3], out.data_ptr(), lse_ptr, stream, *ptrs[3:], *workspace[:2], workspace[3], *cache)
     return out, lse
 
 
