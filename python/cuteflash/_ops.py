@@ -728,28 +728,6 @@ def _lse_scratch_ptr(device: torch.device) -> int:
     return scratch.data_ptr()
 
 
-# dq_accum (the backward pass's fp32 dQ, which its first kernel zeroes) of the planned backward passes that need at
-# most _DQ_ACCUM_CACHE_FLOATS, per (device, stream) as _split_counters: the passes on one stream run in order. A pass
-# captured in a CUDA graph allocates its own, since the graph may be replayed on another stream.
-_dq_accum_cache: dict[tuple[int, int, int], torch.Tensor] = {}
-_DQ_ACCUM_CACHE_FLOATS = 1 << 20
-
-
-def _dq_accum_ptr(device: torch.device, stream: int, floats: int) -> tuple[int, torch.Tensor | None]:
-    """(address, tensor to keep until the launch: None for the stream's cached buffer) of `floats` floats (0, None
-    for none)."""
-    if floats == 0:
-        return 0, None
-    if floats > _DQ_ACCUM_CACHE_FLOATS or torch.cuda.is_current_stream_capturing():
-        accum = torch.empty_strided((floats,), (1,), dtype=torch.float32, device=device)
-        return accum.data_ptr(), accum
-    key = (device.index, stream, threading.get_ident() if stream == 2 else 0)
-    accum = _dq_accum_cache.get(key)
-    if accum is None:
-        accum = _dq_accum_cache[key] = torch.empty(_DQ_ACCUM_CACHE_FLOATS, dtype=torch.float32, device=device)
-    return accum.data_ptr(), None
-
-
 def _run_planned(
     plan: FwdPlan, ptrs: tuple, q: torch.Tensor, keep_lse: bool = True, cache: tuple = (0, 0, 0, 0)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -816,14 +794,13 @@ def _backward_planned(plan: FwdPlan, dout, q, k, v, out, lse, *cu_seqlens) -> tu
         torch.empty_like(t) if contiguous else torch.empty_like(t, memory_format=torch.contiguous_format)
         for t, contiguous in zip((q, k, v), bwd.contiguous)
     )
-    stream = _stream(q.device)
-    dq_accum = _dq_accum_ptr(q.device, stream, bwd.dq_accum_floats)
+    dq_accum = torch.empty_strided((bwd.dq_accum_floats,), (1,), dtype=torch.float32, device=q.device)
     d_rowsum = dq if bwd.d_rowsum_in_dq else lse.new_empty(lse.shape)
     dk_k, dv_k = (dk, dv) if not bwd.grouped else (q.new_empty(k.shape[:-2] + q.shape[-2:]) for _ in range(2))
     cu_q, cu_k = (t.data_ptr() for t in cu_seqlens) if plan.varlen else (0, 0)
     bwd.launch(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), stream, cu_q, cu_k,
-        dout.data_ptr(), dq.data_ptr(), dq_accum[0], d_rowsum.data_ptr(), dk_k.data_ptr(), dv_k.data_ptr(),
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), _stream(q.device), cu_q, cu_k,
+        dout.data_ptr(), dq.data_ptr(), dq_accum.data_ptr(), d_rowsum.data_ptr(), dk_k.data_ptr(), dv_k.data_ptr(),
     )  # fmt: skip
     _store_kv_grads(dk, dv, dk_k, dv_k, bwd.grouped)
     return dq, dk, dv

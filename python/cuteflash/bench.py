@@ -313,18 +313,22 @@ def _check(case: Case, q, k, v, args, res: Result) -> None:
 
 
 def _peak_mib(fwd, qkv, backward: bool) -> float:
-    """Peak memory beyond the inputs of one forward (and backward) pass, in MiB."""
+    """Peak memory beyond the inputs of one forward (and backward) pass, in MiB, after a first pass (which may keep
+    what every later call shares, such as cuteflash's log-sum-exp scratch of calls without a gradient)."""
     import torch
 
+    def one_pass():
+        leaves = [t.detach().requires_grad_(backward) for t in qkv]
+        out = fwd(*leaves)
+        if backward:
+            torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    one_pass()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    leaves = [t.detach().requires_grad_(backward) for t in qkv]
-    out = fwd(*leaves)
-    if backward:
-        torch.autograd.grad(out, leaves, torch.ones_like(out))
-    del out, leaves
+    one_pass()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
