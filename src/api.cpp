@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <optional>
 #include <string>
@@ -356,14 +357,29 @@ T* readdress(T* prepared, uintptr_t given, uintptr_t align, char const* name) {
   return reinterpret_cast<T*>(given);
 }
 
-// The checks of a prepared launch's call: the current device is the one it was prepared on, and it takes no
-// per-call tensors but its addresses (ALiBi slopes and dropout's seed are not among them).
-void check_prepared(FwdParams const& p, int device) {
+// Puts each address into its operand, having checked it (check_address).
+void put_addresses(std::initializer_list<std::tuple<Operand*, uintptr_t, char const*>> operands) {
+  for (auto [operand, ptr, name] : operands) {
+    check_address(name, ptr);
+    operand->ptr = reinterpret_cast<void*>(ptr);
+  }
+}
+
+// A prepared launch's call, in both directions: checks that the current device is the one it was prepared on and that
+// it takes no per-call tensors but its addresses (ALiBi slopes and dropout's seed are not among them), then puts the
+// addresses of q, k, v, out, lse and a variable-length batch's offsets into call, a copy of the prepared params.
+void readdress_problem(FwdParams& call, int device, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse,
+                       uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k) {
   if (current_device() != device) {
     throw std::invalid_argument("cuteflash: a prepared launch runs on the device it was prepared on (" +
                                 std::to_string(device) + ")");
   }
-  require(p.alibi_slopes == nullptr && p.rng_state == nullptr, "a launch with ALiBi or dropout cannot be prepared");
+  require(call.alibi_slopes == nullptr && call.rng_state == nullptr,
+          "a launch with ALiBi or dropout cannot be prepared");
+  put_addresses({{&call.q, q, "q"}, {&call.k, k, "k"}, {&call.v, v, "v"}, {&call.o, out, "out"}});
+  call.lse = readdress(call.lse, lse, 4, "softmax_lse");
+  call.cu_seqlens_q = readdress(call.cu_seqlens_q, cu_seqlens_q, 4, "cu_seqlens_q");
+  call.cu_seqlens_k = readdress(call.cu_seqlens_k, cu_seqlens_k, 4, "cu_seqlens_k");
 }
 
 // A checked forward pass, ready to launch: its params and kernel, for the device and stream it was prepared with.
@@ -382,16 +398,8 @@ struct FwdLaunch {
            uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, uintptr_t o_accum, uintptr_t lse_accum,
            uintptr_t split_counters, uintptr_t seqused_k, uintptr_t leftpad_k, uintptr_t kv_batch_idx,
            uintptr_t block_table) const {
-    check_prepared(p, device);
     FwdParams call = p;
-    for (auto [operand, ptr, name] : {std::tuple{&call.q, q, "q"}, std::tuple{&call.k, k, "k"},
-                                      std::tuple{&call.v, v, "v"}, std::tuple{&call.o, out, "out"}}) {
-      check_address(name, ptr);
-      operand->ptr = reinterpret_cast<void*>(ptr);
-    }
-    call.lse = readdress(p.lse, lse, 4, "softmax_lse");
-    call.cu_seqlens_q = readdress(p.cu_seqlens_q, cu_seqlens_q, 4, "cu_seqlens_q");
-    call.cu_seqlens_k = readdress(p.cu_seqlens_k, cu_seqlens_k, 4, "cu_seqlens_k");
+    readdress_problem(call, device, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k);
     call.o_accum = readdress(p.o_accum, o_accum, 16, "o_accum");
     call.lse_accum = readdress(p.lse_accum, lse_accum, 4, "lse_accum");
     // (counters are optional: a call captured in a CUDA graph merges its splits in a kernel of their own)
@@ -504,18 +512,9 @@ struct BwdLaunch {
   void run(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, uintptr_t stream_,
            uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, uintptr_t dout, uintptr_t dq, uintptr_t dq_accum,
            uintptr_t d_rowsum, uintptr_t dk, uintptr_t dv) const {
-    check_prepared(p, device);
     BwdParams call = p;
-    for (auto [operand, ptr, name] :
-         {std::tuple{&call.q, q, "q"}, std::tuple{&call.k, k, "k"}, std::tuple{&call.v, v, "v"},
-          std::tuple{&call.o, out, "out"}, std::tuple{&call.dout, dout, "dout"}, std::tuple{&call.dq, dq, "dq"},
-          std::tuple{&call.dk, dk, "dk"}, std::tuple{&call.dv, dv, "dv"}}) {
-      check_address(name, ptr);
-      operand->ptr = reinterpret_cast<void*>(ptr);
-    }
-    call.lse = readdress(p.lse, lse, 4, "softmax_lse");
-    call.cu_seqlens_q = readdress(p.cu_seqlens_q, cu_seqlens_q, 4, "cu_seqlens_q");
-    call.cu_seqlens_k = readdress(p.cu_seqlens_k, cu_seqlens_k, 4, "cu_seqlens_k");
+    readdress_problem(call, device, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k);
+    put_addresses({{&call.dout, dout, "dout"}, {&call.dq, dq, "dq"}, {&call.dk, dk, "dk"}, {&call.dv, dv, "dv"}});
     call.d_rowsum = readdress(p.d_rowsum, d_rowsum, 4, "d_rowsum");
     call.dq_accum = readdress(p.dq_accum, dq_accum, 16, "dq_accum");
     if (p.dq_blocks_done != nullptr) {  // the counts follow the regions

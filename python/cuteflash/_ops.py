@@ -607,7 +607,6 @@ class FwdPlan(NamedTuple):
     q_contiguous: bool
     lse_shape: tuple
     lse_strides: tuple
-    decode: bool
     splits: int
     accum_floats: tuple  # (o_accum_floats, lse_accum_floats), both 0 where splits == 1
     counters: int  # the decoding kernel's split counters, 0: none
@@ -699,7 +698,6 @@ def plan_forward(
         q.is_contiguous(),
         lse_shape,
         lse_strides,
-        decode,
         splits,
         (o_accum_floats, lse_accum_floats),
         counters,
@@ -742,9 +740,7 @@ def _run_planned(
         lse = torch.empty_strided(plan.lse_shape, plan.lse_strides, dtype=torch.float32, device=device)
         lse_ptr = lse.data_ptr()
     stream = _stream(device)
-    workspace = (0, 0, 0, 0)
-    if plan.splits > 1:
-        workspace = _split_workspace(device, stream, plan.splits, *plan.accum_floats, plan.counters)
+    workspace = _split_workspace(device, stream, plan.splits, *plan.accum_floats, plan.counters)
     plan.launch(*ptrs[:3], out.data_ptr(), lse_ptr, stream, *ptrs[3:], *workspace[:2], workspace[3], *cache)
     return out, lse
 
