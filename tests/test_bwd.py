@@ -201,3 +201,25 @@ def test_backward_single_key(head_dim, dtype, make_qkv, reference_grads, assert_
     for name, leaf in (("dq", leaves[0]), ("dk", leaves[1])):
         assert torch.all(ref[0 if name == "dq" else 1] == 0)
         assert leaf.grad.abs().max().item() <= 1e-4, f"{name} of a single key should be ~0"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("head_dim", [32, 80, 256])
+def test_backward_one_key_dv_is_exact(head_dim, deterministic, require_head_dim, reference_grads):
+    """One key per row: P = 1 exactly, and dV = the sum of dO over the rows, which PyTorch's fp16 computes as the
+    float64 reference rounded to fp16 (flash-attn's test compares with that rounding, so it asks for the same). dO
+    drawn in whole multiples of 2^-6 makes the fp32 sums exact and their fp16 rounding often a tie (an odd multiple
+    of half a unit), which a P of 1 +- 2^-23 would break the wrong way."""
+    require_head_dim(head_dim)
+    g = torch.Generator(device="cuda").manual_seed(torch.randint(0, 2**31, ()).item())
+    for _ in range(4):  # draws: a P off by an ulp shows in some of them
+        q, k, v = (torch.randn(2, n, 4, head_dim, device="cuda", generator=g).half() for n in (339, 1, 1))
+        dout = (torch.randn(2, 339, 4, head_dim, device="cuda", generator=g) * 64).round().half() / 64
+        ref = reference_grads(q, k, v, dout, False, torch.float64)
+        pt = reference_grads(q, k, v, dout, False, torch.float16)
+        exact = ref[2].half()
+        assert torch.equal(pt[2], exact), "the premise: PyTorch's dv is the reference rounded"
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        flash_attn_func(*leaves, deterministic=deterministic).backward(dout)
+        dv = leaves[2].grad
+        assert torch.equal(dv, exact), f"dv differs from the rounded reference at {(dv != exact).sum().item()} elements"

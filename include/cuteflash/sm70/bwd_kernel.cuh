@@ -147,6 +147,13 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
     }
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) prob[c] = exp2_approx(prob[c] * p.softmax_scale_log2 - row.lse_log2());
+    // A row that sees one key has P = 1 there, exactly as the softmax of one score. From the lse it comes out as
+    // 1 +- 2^-23 (the forward's and this exponent's roundings of the scaled score differ), which the hi / lo split
+    // keeps, so that dV = P^T dO could round an exact tie of its fp16 conversion the other way.
+    if (key_limit - key_first == 1 && q_row < seq.seqlen_q) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c) prob[c] = key0 + c == key_first && prob[c] == prob[c] ? 1.f : prob[c];
+    }
     // Keys past the end or outside the row's keys (rows past seqlen_q have lse = +inf: P = 0 already).
     if constexpr (has_options(V)) {
       if (mask_policy<V>(p, seq).template block_masked<Traits::kBlockM, Traits::kBlockN>(m_block, n_block)) {
