@@ -122,7 +122,6 @@ void fill_options(FwdParams& p, Options const& o, bool varlen) {
   }
   p.alibi_slopes = reinterpret_cast<float const*>(o.alibi_slopes);
   p.alibi_batch_stride = o.alibi_batch_stride;
-  require(o.softcap == 0.f || o.dropout_p == 0.0, "softcap with dropout is not implemented");
   fill_dropout(p, o.dropout_p, o.rng_state);
 }
 

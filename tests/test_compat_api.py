@@ -412,22 +412,23 @@ def test_varlen_forward_and_backward(dtype, flash_attn_compat, require_support, 
 
 
 @pytest.mark.gpu
-def test_dropout_rng_state_round_trip(flash_attn_compat, make_qkv):
-    """With dropout, the forward call's rng_state makes the backward call drop what it dropped: the results equal
-    cuteflash's own autograd path under the same seed, bit for bit (deterministic backward)."""
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_dropout_rng_state_round_trip(softcap, flash_attn_compat, make_qkv):
+    """With dropout (and softcap), the forward call's rng_state makes the backward call drop what it dropped: the
+    results equal cuteflash's own autograd path under the same seed, bit for bit (deterministic backward)."""
     fi = flash_attn_compat.flash_attn_interface
     q, k, v = make_qkv(2, 150, 200, 4, 2, 64, torch.float16)
     dout = torch.randn_like(q)
     torch.manual_seed(7)
-    out, lse, s_dmask, rng_state = fi._flash_attn_forward(q, k, v, 0.25, 0.125, True, -1, -1, 0.0, None, True)
+    out, lse, s_dmask, rng_state = fi._flash_attn_forward(q, k, v, 0.25, 0.125, True, -1, -1, softcap, None, True)
     grads = [torch.empty_like(t) for t in (q, k, v)]
     softmax_d = fi._flash_attn_backward(
-        dout, q, k, v, out, lse, *grads, 0.25, 0.125, True, -1, -1, 0.0, None, True, rng_state
+        dout, q, k, v, out, lse, *grads, 0.25, 0.125, True, -1, -1, softcap, None, True, rng_state
     )
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(7)
     out_cf, lse_cf, s_dmask_cf = cuteflash.flash_attn_func(
-        *leaves, 0.25, 0.125, True, deterministic=True, return_attn_probs=True
+        *leaves, 0.25, 0.125, True, softcap=softcap, deterministic=True, return_attn_probs=True
     )
     out_cf.backward(dout)
     assert (rng_state.shape, rng_state.dtype, rng_state[1].item()) == ((2,), torch.int64, 0)

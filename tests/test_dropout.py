@@ -1,6 +1,6 @@
 """Dropout: the mask's statistics, the forward and backward passes against the reference with the mask read
-back through return_attn_probs (2x rule), alone and with the other options, fixed-length and variable-length,
-repeatability under torch.manual_seed, torch.compile and CUDA graphs."""
+back through return_attn_probs (2x rule), alone and with the other options (softcap included), fixed-length and
+variable-length, repeatability under torch.manual_seed, torch.compile and CUDA graphs."""
 
 import pytest
 import torch
@@ -74,12 +74,14 @@ def test_kept_fraction(dropout_p, make_qkv, require_support):
     assert not torch.equal(kept[0, 0], kept[0, 1]) and not torch.equal(kept[0, 0], kept[1, 0])
 
 
-def test_probabilities(make_qkv, require_support):
-    """S_dmask's magnitudes are the softmax probabilities, zero past seqlen_q and seqlen_k."""
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_probabilities(softcap, make_qkv, require_support):
+    """S_dmask's magnitudes are the softmax probabilities (of the softcapped scores), zero past seqlen_q and
+    seqlen_k."""
     require_support(torch.float16)
     q, k, v = make_qkv(2, 100, 150, 4, 2, 64, torch.float16)
-    _, _, s_dmask = flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_attn_probs=True)
-    probs = torch.softmax(scores_ref(q, k, causal=True, compute_dtype=torch.float32), dim=-1)
+    _, _, s_dmask = flash_attn_func(q, k, v, dropout_p=0.3, causal=True, softcap=softcap, return_attn_probs=True)
+    probs = torch.softmax(scores_ref(q, k, causal=True, compute_dtype=torch.float32, softcap=softcap), dim=-1)
     torch.testing.assert_close(s_dmask[:, :, :100, :150].abs().float(), probs, atol=1e-3, rtol=1e-2)
     assert not s_dmask[:, :, 100:].any() and not s_dmask[:, :, :, 150:].any()
 
@@ -93,29 +95,61 @@ def test_dropout(dtype, causal, seqlen_q, seqlen_k, make_qkv, assert_close_2x, r
     _check(q, k, v, 0.17, assert_close_2x, causal=causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(128, 128), (97, 203), (203, 97), (1, 77)])
+def test_softcap_with_dropout(dtype, causal, seqlen_q, seqlen_k, make_qkv, assert_close_2x, require_support):
+    """Softcap and dropout together (kernels of their own): dropout acts on the probabilities of the softcapped
+    scores, and the backward pass applies the softcap's factor to dS of the kept probabilities."""
+    require_support(dtype, backward=True)
+    # Scores of a few units, which the softcap of 5 bends (as in test_options.py).
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 64, dtype, scale=2.0)
+    _check(q, k, v, 0.17, assert_close_2x, causal=causal, softcap=5.0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_softcap_with_dropout_head_dims(
+    head_dim, causal, deterministic, make_qkv, assert_close_2x, require_support, require_head_dim
+):
+    """Softcap and dropout with GQA at a few head dims (72: the kernel of head dim 96, part of its tile), both backward
+    paths. Without the causal mask, the sm80 forward runs the softcap inside the softmax in its unmasked blocks."""
+    require_support(torch.float16, backward=True)
+    require_head_dim(head_dim)
+    q, k, v = make_qkv(2, 190, 230, 6, 2, head_dim, torch.float16, scale=1.5)
+    _check(q, k, v, 0.25, assert_close_2x, deterministic=deterministic, causal=causal, softcap=10.0)
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_dropout_with_everything(head_dim, deterministic, make_qkv, assert_close_2x, require_support, require_head_dim):
-    """Dropout + window + causal + ALiBi + GQA at each head dim, both backward paths."""
+@pytest.mark.parametrize("softcap", [0.0, 10.0])
+def test_dropout_with_everything(
+    head_dim, deterministic, softcap, make_qkv, assert_close_2x, require_support, require_head_dim
+):
+    """Dropout + window + causal + ALiBi + GQA, with and without softcap, at each head dim, both backward paths."""
     require_support(torch.float16, backward=True)
     require_head_dim(head_dim)
     q, k, v = make_qkv(2, 190, 230, 6, 2, head_dim, torch.float16, scale=1.5)
     slopes = torch.rand(2, 6, device="cuda") * 0.3
-    options = dict(causal=True, window_size=(70, -1), alibi_slopes=slopes)
+    options = dict(causal=True, window_size=(70, -1), alibi_slopes=slopes, softcap=softcap)
     _check(q, k, v, 0.25, assert_close_2x, deterministic=deterministic, **options)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_sm70_tiles_of_smaller_gpus(smem_limit, head_dim, make_qkv, assert_close_2x, require_support, require_head_dim):
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_sm70_tiles_of_smaller_gpus(
+    smem_limit, head_dim, softcap, make_qkv, assert_close_2x, require_support, require_head_dim
+):
     """The sm70 tiles of a T4 and a V100 (imitated through smem_limit), whose threads hold 2 to 32 columns of a row:
-    the forward and backward kernels drop what the mask kernel draws."""
+    the forward and backward kernels drop what the mask kernel draws, with and without softcap."""
     family, _ = smem_limit
     if family != "sm70":
         pytest.skip("the sm80 tiles for less shared memory hold dropout's units as the default tiles do")
     require_support(torch.float16, backward=True)
     require_head_dim(head_dim)
     q, k, v = make_qkv(2, 190, 230, 4, 2, head_dim, torch.float16)
-    _check(q, k, v, 0.2, assert_close_2x, causal=True)
+    _check(q, k, v, 0.2, assert_close_2x, causal=True, softcap=softcap)
 
 
 def test_repeatable_under_manual_seed(make_qkv, require_support):
@@ -141,10 +175,12 @@ def test_repeatable_under_manual_seed(make_qkv, require_support):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen(causal, assert_close_2x, require_support):
-    """Each sequence of a variable-length batch against the reference with its part of S_dmask. No sequence has
-    a single key: there the reference's gradients are exactly 0, while the kernels' D = rowsum(dO O) (as
-    FlashAttention's) carries the rounding of O = V / (1 - p) to fp16."""
+@pytest.mark.parametrize("softcap", [0.0, 8.0])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen(causal, softcap, deterministic, assert_close_2x, require_support):
+    """Each sequence of a variable-length batch against the reference with its part of S_dmask, with and without
+    softcap, both backward paths. No sequence has a single key: there the reference's gradients are exactly 0,
+    while the kernels' D = rowsum(dO O) (as FlashAttention's) carries the rounding of O = V / (1 - p) to fp16."""
     require_support(torch.float16, backward=True)
     lengths_q, lengths_k = [0, 1, 75, 190, 33], [40, 0, 130, 190, 9]
     nheads, nheads_k, head_dim, dropout_p = 4, 2, 64, 0.3
@@ -161,6 +197,8 @@ def test_varlen(causal, assert_close_2x, require_support):
         dropout_p,
         causal=causal,
         window_size=(60, -1),
+        softcap=softcap,
+        deterministic=deterministic,
         return_attn_probs=True,
     )
     assert s_dmask.shape == (len(lengths_q), nheads, 256, 256)
@@ -172,7 +210,7 @@ def test_varlen(causal, assert_close_2x, require_support):
         seq = [t[s].unsqueeze(0) for t, s in ((q, rows), (k, keys), (v, keys))]
         kept = _kept(s_dmask[b : b + 1])
         assert not s_dmask[b, :, lengths_q[b] :].any() and not s_dmask[b, :, :, lengths_k[b] :].any()
-        options = dict(causal=causal, window_size=(60, -1))
+        options = dict(causal=causal, window_size=(60, -1), softcap=softcap)
         dout_b = dout[rows].unsqueeze(0)
         out_ref, lse_ref, grads_ref = _reference(*seq, dout_b, torch.float64, kept, dropout_p, **options)
         out_pt, lse_pt, grads_pt = _reference(*seq, dout_b, torch.float16, kept, dropout_p, **options)
@@ -215,12 +253,6 @@ def test_cuda_graph_draws_at_each_replay(make_qkv, require_support):
     graph.replay()
     assert not torch.equal(first, out)
     assert torch.isfinite(out).all()
-
-
-def test_softcap_with_dropout_is_not_implemented():
-    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match="softcap together with dropout_p"):
-        flash_attn_func(q, q, q, dropout_p=0.1, softcap=5.0)
 
 
 def test_mask_is_philox(require_support):

@@ -63,7 +63,9 @@ inline bool needs_general(FwdParams const& p) {
 // Calls launch_for(VariantConstant<V>{}) with the variant (sequence.cuh) that computes p.
 template <typename LaunchFor>
 void for_variant(FwdParams const& p, LaunchFor const& launch_for) {
-  if (p.rng_state != nullptr) {
+  if (p.rng_state != nullptr && p.softcap > 0.f) {
+    launch_for(VariantConstant<Variant::kSoftcapDropout>{});
+  } else if (p.rng_state != nullptr) {
     launch_for(VariantConstant<Variant::kDropout>{});
   } else if (p.softcap > 0.f) {
     launch_for(VariantConstant<Variant::kSoftcap>{});

@@ -69,12 +69,12 @@ struct Softcap {
 };
 
 // ScoreMods on each score of a (rows, cols) view s with coord giving (row, col) in the tile whose first row and
-// key are row0 and col0, for a kernel of variant V (sequence.cuh: the softcap only in kSoftcap); dtanh (like s,
-// or nullptr_t) receives the softcap's factors for the backward pass.
+// key are row0 and col0, for a kernel of variant V (sequence.cuh: the softcap where has_softcap); dtanh (like s, or
+// nullptr_t) receives the softcap's factors for the backward pass.
 template <Variant V, typename STensor, typename CoordTensor, typename DTanh>
 __device__ __forceinline__ void apply_score_mods(STensor& s, CoordTensor const& coord, int row0, int col0,
                                                  ScoreMods const& mods, DTanh&& dtanh) {
-  if constexpr (V == Variant::kSoftcap) {
+  if constexpr (has_softcap(V)) {
     CUTE_UNROLL
     for (int i = 0; i < size(s); ++i) {
       float unused;

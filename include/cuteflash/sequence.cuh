@@ -18,12 +18,17 @@ namespace cuteflash {
 //             and ALiBi, each applied only where the params set it;
 //   kSoftcap  kGeneral with softcapping as well. Apart because nvcc predicates an option's work per score
 //             rather than branching around it, so that a kernel with the softcap's tanh pays for it always;
-//   kDropout  kGeneral with dropout (dropout.cuh); without the softcap, for the reason above.
-enum class Variant { kFixed, kVarlen, kGeneral, kSoftcap, kDropout };
+//   kDropout  kGeneral with dropout (dropout.cuh); without the softcap, for the reason above;
+//   kSoftcapDropout  kGeneral with the softcap and dropout (no paged caches: those calls set no dropout).
+enum class Variant { kFixed, kVarlen, kGeneral, kSoftcap, kDropout, kSoftcapDropout };
 
-// Whether kernels of variant v apply the params' options (windows, ALiBi; the softcap in kSoftcap, dropout in
-// kDropout).
+// Whether kernels of variant v apply the params' options (windows, ALiBi; the softcap and dropout as below).
 constexpr bool has_options(Variant v) { return v != Variant::kFixed && v != Variant::kVarlen; }
+
+// Whether kernels of variant v apply the params' softcap, and dropout. The kernels ask these rather than name a
+// variant, so that kSoftcapDropout runs each option's code where that option's own variant does.
+constexpr bool has_softcap(Variant v) { return v == Variant::kSoftcap || v == Variant::kSoftcapDropout; }
+constexpr bool has_dropout(Variant v) { return v == Variant::kDropout || v == Variant::kSoftcapDropout; }
 
 // Whether forward kernels of variant v serve KV-cache calls (flash_attn_with_kvcache): read paged caches and
 // split the keys (params.h). Those calls set no dropout.

@@ -56,6 +56,7 @@ OPTIONS = {
     "softcap 30": {"softcap": 30.0},
     "alibi": {},
     "dropout 0.1": {"dropout_p": 0.1},
+    "softcap 30, dropout 0.1": {"softcap": 30.0, "dropout_p": 0.1},
 }
 # Decoding (flash_attn_with_kvcache, 32 heads of 128, fp16): (batch, cached keys, queries per sequence), timed
 # beside SDPA's backends on the same keys, and as paged caches (pages of 16 and 256 rows); the cache read is also

@@ -279,10 +279,6 @@ def _attention(
     varlen = (None, None, 0, 0) if varlen is None else _check_varlen(q, *varlen)
     batch = q.shape[0] if varlen[0] is None else varlen[0].numel() - 1
     options = _check_options(unpacked[0], batch, window_size, softcap, alibi_slopes)
-    if dropout_p > 0 and options[2] > 0:
-        raise NotImplementedError(
-            "softcap together with dropout_p > 0 is not implemented in cuteflash yet; pass softcap=0.0 or dropout_p=0.0"
-        )
     rng_state = _ops.draw_rng_state(q.device) if dropout_p > 0 else None
     options = _ops.Options(*options, dropout_p, rng_state)
     head_dim = q.shape[-1]

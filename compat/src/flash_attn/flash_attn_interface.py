@@ -50,13 +50,6 @@ def _round128(n: int) -> int:
     return (n + 127) // 128 * 128
 
 
-def _refuse_softcap_with_dropout(dropout_p, softcap) -> None:
-    if dropout_p > 0 and isinstance(softcap, (int, float)) and softcap > 0:
-        raise NotImplementedError(
-            "softcap together with dropout_p > 0 is not implemented in cuteflash yet; pass softcap=0.0 or dropout_p=0.0"
-        )
-
-
 def _check_head_dim(q: torch.Tensor) -> None:
     if q.shape[-1] % 8:
         raise ValueError(
@@ -120,7 +113,6 @@ def _forward(
     """out, softmax_lse, S_dmask, rng_state of flash-attn's forward functions; varlen: None or (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
     dropout_p = _cuteflash._check_dropout(dropout_p)
-    _refuse_softcap_with_dropout(dropout_p, softcap)
     if return_softmax and dropout_p == 0:
         raise ValueError("return_softmax needs dropout_p > 0, as in flash-attn (S_dmask shows the dropout mask)")
     _cuteflash._check_qkv(q, k, v, varlen is not None)
@@ -201,7 +193,6 @@ def _backward(
     """flash-attn's backward functions: dq, dk, dv written in place (allocated where None, as flash-attn does, and
     then dropped); returns softmax_d."""
     dropout_p = _cuteflash._check_dropout(dropout_p)
-    _refuse_softcap_with_dropout(dropout_p, softcap)
     if dropout_p > 0 and rng_state is None:
         raise ValueError(
             "dropout_p > 0 needs the rng_state that the forward call returned, so that the backward pass drops what "

@@ -132,10 +132,10 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
   auto probs_and_grads_of_thread = [&] {
     load_floats(prob, scratch + mine, swap);
     load_floats(ds, scratch + Traits::kBlockM * Traits::kLdS + mine, swap);
-    float dtanh[kCols];  // kSoftcap: the softcap's 1 - tanh^2
+    float dtanh[kCols];  // has_softcap: the softcap's 1 - tanh^2
     if constexpr (has_options(V)) {
       const ScoreMods mods = ScoreMods::make(p, seq, blockIdx.y);
-      if constexpr (V == Variant::kSoftcap) {
+      if constexpr (has_softcap(V)) {
         CUTE_UNROLL
         for (int c = 0; c < kCols; ++c) prob[c] = mods.cap(prob[c], dtanh[c]);
       }
@@ -164,7 +164,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) prob[c] = key0 + c < key_limit ? prob[c] : 0.f;
     }
-    if constexpr (V == Variant::kDropout) {  // dS of the kept probabilities; dV's products take those (unscaled)
+    if constexpr (has_dropout(V)) {  // dS of the kept probabilities; dV's products take those (unscaled)
       const RowKeep<kCols, false> row_keep(Dropout::make(p, seq.batch, blockIdx.y), q_row, key0);
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) {
@@ -176,7 +176,7 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) ds[c] = prob[c] * (ds[c] - row.d);
     }
-    if constexpr (V == Variant::kSoftcap) {
+    if constexpr (has_softcap(V)) {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c) ds[c] *= p.softcap * dtanh[c];
     }
@@ -525,7 +525,7 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
                  p.dk.row_stride, seq.seqlen_k - row0, p.head_dim - col0);
     }
     if (has_dv) {
-      store_tile(acc_dv[i], (V == Variant::kDropout ? p.dropout_scale : 1.f) / p_scale(p), stage,
+      store_tile(acc_dv[i], (has_dropout(V) ? p.dropout_scale : 1.f) / p_scale(p), stage,
                  dv + int64_t(row0) * p.dv.row_stride + col0, p.dv.row_stride, seq.seqlen_k - row0, p.head_dim - col0);
     }
   });

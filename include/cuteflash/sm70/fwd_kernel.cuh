@@ -212,7 +212,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     __syncwarp();  // every lane holds its S: P takes its place
     if constexpr (has_options(V)) {
       const ScoreMods mods = ScoreMods::make(p, seq, head);
-      if constexpr (V == Variant::kSoftcap) {
+      if constexpr (has_softcap(V)) {
         CUTE_UNROLL
         for (int c = 0; c < kColsPerLane; ++c) {
           float unused;
@@ -250,9 +250,9 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     // 0 while O is still 0; exactly 1 where the max stays (so is O's rescale, and the warp skips it).
     const float alpha = m_new == m ? 1.f : exp2_approx(m * p.softmax_scale_log2 - m_scaled);
     const bool rescale = __any_sync(0xffffffff, m_new != m);
-    // kDropout: the keep bits of my part of the row (in order, not rotated).
+    // has_dropout: the keep bits of my part of the row (in order, not rotated).
     const auto keep = [&] {
-      if constexpr (V == Variant::kDropout) {
+      if constexpr (has_dropout(V)) {
         return RowKeep<kColsPerLane, true>(Dropout::make(p, seq.batch, head), q_row, col0);
       } else {
         return nullptr;
@@ -267,7 +267,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
         prob[e] = exp2_approx(s[4 * i + e] * p.softmax_scale_log2 - (m_scaled - p_shift));  // masked: 0
         sum += prob[e];
       }
-      if constexpr (V == Variant::kDropout) {  // after the row sum, which is of every probability
+      if constexpr (has_dropout(V)) {  // after the row sum, which is of every probability
         CUTE_UNROLL
         for (int e = 0; e < 4; ++e) {  // column e of quad (i + my_rotation) % kQuads
           const uint32_t bits = my_rotation ? keep.bits(4 * ((i + 1) % kQuads) + e) : keep.bits(4 * i + e);
@@ -328,7 +328,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   // ---- Epilogue: O = O / l by rows (both in units of 2^p_shift P), stored through the scratch;
   // lse = m scale + log(l 2^-p_shift). Split keys: in fp32 to o_accum and lse_accum (split_merge.cuh).
   const bool empty = l == 0.f;  // no visible key: O = 0, lse = +inf (as the sm80 kernel; -inf for a split)
-  if (my_half == 0) alpha_rows[my_row] = empty ? 0.f : (V == Variant::kDropout ? p.dropout_scale : 1.f) / l;
+  if (my_half == 0) alpha_rows[my_row] = empty ? 0.f : (has_dropout(V) ? p.dropout_scale : 1.f) / l;
   __syncwarp();
   auto store_o = [&](auto* out, int64_t row_stride) {  // out: the block's first row
     CUTE_UNROLL

@@ -38,11 +38,11 @@ __device__ __forceinline__ void scores_to_probs(STensor& s, DTanh& dtanh, Coord 
   }
 }
 
-// The factor of dS = scale P (dP - D) for a kernel of variant V: the softmax's scale, in kSoftcap times the softcap
-// (params.h), so that apply_softcap_grad has only 1 - tanh^2 left to apply.
+// The factor of dS = scale P (dP - D) for a kernel of variant V: the softmax's scale, with has_softcap times the
+// softcap (params.h), so that apply_softcap_grad has only 1 - tanh^2 left to apply.
 template <Variant V>
 __device__ __forceinline__ float grad_scale(BwdParams const& p) {
-  return V == Variant::kSoftcap ? p.softmax_scale * p.softcap : p.softmax_scale;
+  return has_softcap(V) ? p.softmax_scale * p.softcap : p.softmax_scale;
 }
 
 // In place on (rows, cols) views: dp becomes dS = scale P (dP - D), the gradient of the unscaled scores.
@@ -240,18 +240,18 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
 
     // P, in place; rows past seqlen_q get lse = +inf: P = 0.
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
-    Tensor dtanh = make_fragment_like(s);  // kSoftcap: the softcap's 1 - tanh^2 (dead code otherwise)
+    Tensor dtanh = make_fragment_like(s);  // has_softcap: the softcap's 1 - tanh^2 (dead code otherwise)
     scores_to_probs<V>(s, dtanh, tScS_rc, m_block * kBlockM, n_block * kBlockN, p, seq, head, lse_log2, masked,
                        no_alibi);
-    // kDropout: the probabilities that dropout keeps (a bit each), for P's copy and for dP.
+    // has_dropout: the probabilities that dropout keeps (a bit each), for P's copy and for dP.
     const auto keep = [&] {
-      if constexpr (V == Variant::kDropout) {
+      if constexpr (has_dropout(V)) {
         return keep_mask(Dropout::make(p, seq.batch, head), tScS_rc, m_block * kBlockM, n_block * kBlockN);
       } else {
         return nullptr;
       }
     }();
-    if constexpr (V == Variant::kDropout) {  // dV's products take the kept probabilities (unscaled: see the end)
+    if constexpr (has_dropout(V)) {  // dV's products take the kept probabilities (unscaled: see the end)
       Tensor kept = make_fragment_like(acc_s);
       Tensor kept_rc = make_tensor(kept.data(), s.layout());
       CUTE_UNROLL
@@ -265,10 +265,10 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_dp);
     gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
-    Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));          // (rows, cols)
-    if constexpr (V == Variant::kDropout) apply_keep(dp, keep, p.dropout_scale);  // the kept probabilities' gradient
+    Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));  // (rows, cols)
+    if constexpr (has_dropout(V)) apply_keep(dp, keep, p.dropout_scale);  // the kept probabilities' gradient
     probs_to_grads(s, dp, d, grad_scale<V>(p));
-    if constexpr (V == Variant::kSoftcap) apply_softcap_grad(dp, dtanh);
+    if constexpr (has_softcap(V)) apply_softcap_grad(dp, dtanh);
     copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_dp)), tdSsdS);
     __syncthreads();  // P and dS are in shared memory
 
@@ -313,8 +313,8 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
   // ---- Epilogue: dK and dV through the shared memory of K and V; a key block no query sees gets zeros.
   Tensor gdK = head_rows<kBlockN, kHeadDim, Element>(p.dk, seq.batch, head, seq.k_row0).block(n_block);
   Tensor gdV = head_rows<kBlockN, kHeadDim, Element>(p.dv, seq.batch, head, seq.k_row0).block(n_block);
-  __syncthreads();                         // no warp reads K or V any more
-  if constexpr (V == Variant::kDropout) {  // dV's products took the kept probabilities without 1 / (1 - p)
+  __syncthreads();                 // no warp reads K or V any more
+  if constexpr (has_dropout(V)) {  // dV's products took the kept probabilities without 1 / (1 - p)
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dv); ++i) acc_dv(i) *= p.dropout_scale;
   }
@@ -461,15 +461,15 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
     gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, tiled_mma, copy_a, thr_a, copy_b, thr_b);
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-    Tensor dtanh = make_fragment_like(s);  // kSoftcap: the softcap's 1 - tanh^2 (dead code otherwise)
+    Tensor dtanh = make_fragment_like(s);  // has_softcap: the softcap's 1 - tanh^2 (dead code otherwise)
     scores_to_probs<V>(s, dtanh, tScS_rc, m_block * kBlockM, n_block * kBlockN, p, seq, head, lse_log2, masked,
                        no_alibi);
-    if constexpr (V == Variant::kDropout) {  // the gradient of the kept probabilities
+    if constexpr (has_dropout(V)) {  // the gradient of the kept probabilities
       apply_dropout(dp, Dropout::make(p, seq.batch, head), tScS_rc, m_block * kBlockM, n_block * kBlockN,
                     p.dropout_scale);
     }
     probs_to_grads(s, dp, d_row, grad_scale<V>(p));
-    if constexpr (V == Variant::kSoftcap) apply_softcap_grad(dp, dtanh);
+    if constexpr (has_softcap(V)) apply_softcap_grad(dp, dtanh);
     Tensor rdS = convert_fragment<Element>(acc_dp);
     Tensor tdQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));  // (MMA, MMA_M, MMA_K over keys)
     gemm_rs(acc_dq, tdQrdS, tdQrKt, tdQsKt, tiled_mma, copy_bt, thr_bt);

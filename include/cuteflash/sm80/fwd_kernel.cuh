@@ -5,7 +5,7 @@
 // the running softmax statistics and O in registers:
 //   S = Q K^T  ->  mask  ->  P = exp(scale (S - m)), rescale O and l  ->  O += P V
 // K of the next block loads while the softmax and P V of this one run; V loads while S is computed. With
-// dropout (kDropout), P's dropped entries are zeroed after the row sums and O is scaled by 1 / (1 - p) at the end.
+// dropout (has_dropout), P's dropped entries are zeroed after the row sums and O is scaled by 1 / (1 - p) at the end.
 #pragma once
 
 #include "cuteflash/dropout.cuh"
@@ -357,8 +357,8 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_copy_q, smem_thr_q, smem_copy_k, smem_thr_k);
     Tensor s = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));  // (rows, cols)
-    // Without a mask or ALiBi, the softcap is the softmax's (OnlineSoftmax::update).
-    constexpr bool kSoftcapInSoftmax = V == Variant::kSoftcap && !decltype(masked)::value && decltype(no_alibi)::value;
+    // Without a mask or ALiBi, the softcap is the softmax's (OnlineSoftmax::update); dropout comes after it.
+    constexpr bool kSoftcapInSoftmax = has_softcap(V) && !decltype(masked)::value && decltype(no_alibi)::value;
     if constexpr (has_options(V) && !kSoftcapInSoftmax) {
       apply_score_mods<V>(s, tScS_rc, m_block * kBlockM, n_block * kBlockN, step_score_mods(p, seq, head, no_alibi),
                           nullptr);
@@ -378,7 +378,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
       softmax.update(s, acc_o_rc, p.softmax_scale_log2);
     }
     Tensor rP = convert_fragment<Element>(acc_s);
-    if constexpr (V == Variant::kDropout) {  // after the row sums, which are of every probability
+    if constexpr (has_dropout(V)) {  // after the row sums, which are of every probability
       apply_dropout_packed(rP, Dropout::make(p, seq.batch, head), tScS_rc, m_block * kBlockM, n_block * kBlockN);
     }
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));  // (MMA, MMA_M, MMA_K over keys)
@@ -395,7 +395,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   // ---- Epilogue: O /= l, lse = m * scale + log(l); O goes through shared memory for 16-byte stores.
   float row_lse[kRows];
   softmax.finalize(acc_o_rc, p.softmax_scale, row_lse);
-  if constexpr (V == Variant::kDropout) {
+  if constexpr (has_dropout(V)) {
     CUTE_UNROLL
     for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= p.dropout_scale;
   }
