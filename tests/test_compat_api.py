@@ -80,6 +80,7 @@ FLASH_ATTN_2_8_3 = {
         ("leftpad_k", None),
         ("seqused_k", None),
         ("zero_tensors", False),
+        ("num_splits", 0),  # 2.8.4's addition
     ],
     "_flash_attn_backward": [(n, R) for n in "dout q k v out softmax_lse dq dk dv".split()]
     + [
@@ -218,18 +219,13 @@ def test_unsupported_features_raise(flash_attn_compat):
     """What cuteflash does not implement raises before anything runs (the functions the ops were made from are
     called directly, on the CPU)."""
     fi = flash_attn_compat.flash_attn_interface
-    q, k, v = _cpu_qkv()
     qv, kv, vv = _cpu_qkv(varlen=True)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="softcap together with dropout_p > 0"):
-        fi._flash_attn_forward._init_fn(q, k, v, 0.1, 0.3, False, -1, -1, 30.0, None, False)
-    with pytest.raises(NotImplementedError, match="softcap together with dropout_p > 0"):
-        fi._flash_attn_backward._init_fn(
-            q, q, k, v, q, None, None, None, None, 0.1, 0.3, False, -1, -1, 5.0, None, False
-        )
     for name in ("leftpad_k", "seqused_k"):
-        with pytest.raises(NotImplementedError, match=f"{name} is not implemented"):
-            fi._flash_attn_varlen_forward._init_fn(qv, kv, vv, cu, cu, 6, 6, 0.0, 0.3, True, **{name: cu[1:]})
+        with pytest.raises(NotImplementedError, match=f"dropout_p > 0 with {name} is not implemented"):
+            fi._flash_attn_varlen_forward._init_fn(qv, kv, vv, cu, cu, 6, 6, 0.1, 0.3, True, **{name: cu[1:]})
+    with pytest.raises(RuntimeError, match="num_splits > 1 is not supported"):  # as flash-attn 2.8.4 refuses it
+        fi._flash_attn_varlen_forward._init_fn(qv, kv, vv, cu, cu, 6, 6, 0.0, 0.3, True, num_splits=2)
 
 
 def test_flash_attn_s_own_refusals_raise(flash_attn_compat):
@@ -483,3 +479,48 @@ def test_head_dim_must_be_a_multiple_of_8(flash_attn_compat, make_qkv):
     q, k, v = make_qkv(1, 16, 16, 2, 2, 36, torch.float16)
     with pytest.raises(ValueError, match="multiples of 8"):
         flash_attn_compat.flash_attn_interface._flash_attn_forward(q, k, v, 0.0, 0.1, False, -1, -1, 0.0, None, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_varlen_forward_seqused_and_leftpad(head_dim, paged, flash_attn_compat, require_support, assert_close_2x):
+    """seqused_k and leftpad_k of _flash_attn_varlen_forward: sequence b attends to keys [leftpad_k[b],
+    seqused_k[b]) of its own (its rows from cu_seqlens_k[b] on, or its pages), causal aligned to the last of them;
+    num_splits 0 and 1 give the same bits."""
+    require_support(torch.float16)
+    fi = flash_attn_compat.flash_attn_interface
+    dev = dict(device="cuda", dtype=torch.float16)
+    lengths_q, slots_k = [3, 20, 1], [40, 96, 64]
+    used, leftpad = [40, 50, 1], [0, 7, 0]
+    cu_q, cu_k = (torch.tensor([0, *ls], device="cuda").cumsum(0).to(torch.int32) for ls in (lengths_q, slots_k))
+    q = torch.randn(sum(lengths_q), 4, head_dim, **dev)
+    k, v = (torch.randn(sum(slots_k), 2, head_dim, **dev) for _ in range(2))
+    seqused_k = torch.tensor(used, dtype=torch.int32, device="cuda")
+    leftpad_k = torch.tensor(leftpad, dtype=torch.int32, device="cuda")
+    keys = []  # each sequence's slots of k and v
+    for b in range(3):
+        keys.append([t[int(cu_k[b]) : int(cu_k[b + 1])] for t in (k, v)])
+    extra = {}
+    if paged:  # each sequence's slots on pages of 16 rows of a shuffled pool
+        pages = torch.randperm(20, device="cuda")[:18].view(3, 6).int()
+        k, v = (torch.randn(20, 16, 2, head_dim, **dev) for _ in range(2))
+        for b, (kb, vb) in enumerate(keys):
+            for t, src in ((k, kb), (v, vb)):
+                t[pages[b].long()] = torch.nn.functional.pad(src, (0, 0, 0, 0, 0, 96 - src.shape[0])).view(6, 16, 2, -1)
+        extra["block_table"] = pages
+        leftpad_k = None  # flash-attn takes no left padding with a paged cache
+        leftpad = [0, 0, 0]
+    args = (q, k, v, cu_q, cu_k, 20, 96, 0.0, 0.3, True)
+    out, lse, _, _ = fi._flash_attn_varlen_forward(*args, leftpad_k=leftpad_k, seqused_k=seqused_k, **extra)
+    for splits in (0, 1):
+        again = fi._flash_attn_varlen_forward(
+            *args, leftpad_k=leftpad_k, seqused_k=seqused_k, num_splits=splits, **extra
+        )[0]
+        assert torch.equal(out, again)
+    for b, (kb, vb) in enumerate(keys):
+        qb = q[int(cu_q[b]) : int(cu_q[b + 1])].unsqueeze(0)
+        kb, vb = (t[leftpad[b] : used[b]].unsqueeze(0) for t in (kb, vb))
+        ref, lse_ref = attention_ref(qb, kb, vb, 0.3, True, torch.float64)
+        pt, _ = attention_ref(qb, kb, vb, 0.3, True, torch.float16)
+        assert_close_2x(f"sequence {b}", out[int(cu_q[b]) : int(cu_q[b + 1])].unsqueeze(0), ref, pt)

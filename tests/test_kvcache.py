@@ -74,7 +74,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [59, 64, 111, 128, 256])  # 59 and 111 through padded copies of the caches
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-h{}/{}-new{}-page{}-lp{}-bi{}-c{}".format(*c))
 def test_kvcache_matches_reference(case, dtype, head_dim, require_support, require_head_dim, assert_close_2x):
@@ -387,24 +387,97 @@ def test_pages_outside_the_cache_read_as_zeros(seqlen_q, require_head_dim):
     assert torch.equal(got, want)
 
 
-def test_varlen_with_block_table(require_head_dim, assert_close_2x):
+@pytest.mark.parametrize("head_dim", [64, 72, 59])
+def test_varlen_with_block_table(head_dim, require_head_dim, assert_close_2x):
     """flash_attn_varlen_func over paged caches: sequence b's keys are the first cu_seqlens_k[b + 1] -
     cu_seqlens_k[b] rows of its pages."""
-    require_head_dim(64)
+    require_head_dim(head_dim)
     lens_q, lens_k, rows = [3, 17, 1], [40, 17, 200], 208
     dev = dict(device="cuda", dtype=torch.float16)
-    q = torch.randn(sum(lens_q), 4, 64, **dev)
-    k_cache, v_cache = (torch.randn(3, rows, 2, 64, **dev) for _ in range(2))
+    q = torch.randn(sum(lens_q), 4, head_dim, **dev)
+    k_cache, v_cache = (torch.randn(3, rows, 2, head_dim, **dev) for _ in range(2))
     pk, pv, table = _paged(k_cache, v_cache, 16, torch.Generator().manual_seed(2))
     cu_q = torch.tensor([0, 3, 20, 21], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, 40, 57, 257], dtype=torch.int32, device="cuda")
     out = flash_attn_varlen_func(q, pk, pv, cu_q, cu_k, 17, 200, causal=True, block_table=table)
+    assert out.shape == q.shape
     for b in range(3):
         qb = q[cu_q[b] : cu_q[b + 1]].unsqueeze(0)
         kb, vb = (t[b : b + 1, : lens_k[b]] for t in (k_cache, v_cache))
         ref, _ = attention_ref(qb, kb, vb, None, True, torch.float64)
         pt, _ = attention_ref(qb, kb, vb, None, True, torch.float16)
         assert_close_2x(f"sequence {b}", out[cu_q[b] : cu_q[b + 1]].unsqueeze(0), ref, pt)
+
+
+def test_varlen_with_block_table_under_grad(require_head_dim):
+    """Inputs that require grad: the forward pass through a paged cache runs as without grad (flash-attn's test
+    suites call it so); only a backward pass through it raises, naming block_table."""
+    require_head_dim(64)
+    dev = dict(device="cuda", dtype=torch.float16)
+    q = torch.randn(20, 4, 64, **dev)
+    k_cache, v_cache = (torch.randn(2, 64, 2, 64, **dev) for _ in range(2))
+    pk, pv, table = _paged(k_cache, v_cache, 16, torch.Generator().manual_seed(3))
+    cu_q = torch.tensor([0, 5, 20], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 33, 97], dtype=torch.int32, device="cuda")
+    args = (cu_q, cu_k, 15, 64)
+    with torch.no_grad():
+        want = flash_attn_varlen_func(q, pk, pv, *args, causal=True, block_table=table)
+    leaves = [t.clone().requires_grad_() for t in (q, pk, pv)]
+    out, lse, _ = flash_attn_varlen_func(*leaves, *args, causal=True, block_table=table, return_attn_probs=True)
+    assert out.requires_grad and not lse.requires_grad
+    assert torch.equal(out, want)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        out.sum().backward()
+
+
+def _table_bounds_inputs(page=256, pages_per_seq=1):
+    """Two sequences whose block_table holds pages_per_seq pages of `page` rows each, in a pool of spare pages."""
+    dev = dict(device="cuda", dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(6, page, 2, 64, **dev) for _ in range(2))
+    table = torch.tensor([[1, 4, 2][:pages_per_seq], [3, 0, 5][:pages_per_seq]], dtype=torch.int32, device="cuda")
+    return torch.randn(2, 1, 4, 64, **dev), k_cache, v_cache, table
+
+
+@pytest.mark.parametrize("new", [0, 1, 5])
+def test_block_table_bounds(new, require_head_dim):
+    """cache_seqlens (+ the new keys) past the rows of a sequence's pages raise RuntimeError naming block_table, as
+    in flash-attn 2.8.4; exactly at capacity does not."""
+    require_head_dim(64)
+    q, k_cache, v_cache, table = _table_bounds_inputs(pages_per_seq=2)
+    capacity = 2 * 256
+    k, v = (torch.randn(2, new, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2)) if new else (None, None)
+    at = torch.tensor([capacity - new, 3], dtype=torch.int32, device="cuda")
+    for _ in range(2):  # the second call takes the plan the first made, and so do the tensor calls below
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=at, block_table=table)
+    assert torch.isfinite(out).all()
+    for over in (torch.tensor([10, capacity - new + 1], dtype=torch.int32, device="cuda"), capacity - new + 1):
+        with pytest.raises(RuntimeError, match="block_table"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=over, block_table=table)
+    # flash_attn_varlen_func's paged keys: more than the pages hold raises too
+    cu_q = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 10, 10 + capacity + 1], dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="block_table"):
+        flash_attn_varlen_func(q.flatten(0, 1), k_cache, v_cache, cu_q, cu_k, 1, capacity, block_table=table)
+
+
+def test_block_table_bounds_under_capture(require_head_dim):
+    """While a CUDA graph is captured the lengths are not read on the host: the call does not raise, and the
+    kernels read no row past block_table (each sequence's keys are clamped to its pages)."""
+    require_head_dim(64)
+    q, k_cache, v_cache, table = _table_bounds_inputs(pages_per_seq=1)
+    over = torch.tensor([256 + 40, 9], dtype=torch.int32, device="cuda")
+    want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=over.clamp(max=256), block_table=table)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture, with lengths in bounds
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=over.clamp(max=256), block_table=table)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=over, block_table=table)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("nheads_k", [8, 1])

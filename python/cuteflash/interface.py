@@ -505,7 +505,9 @@ def flash_attn_varlen_func(
             with the dropout mask (for testing: it reads cu_seqlens on the host).
         block_table: (batch_size, max_num_blocks_per_seq), torch.int32, or None: k and v are then paged caches
             (num_blocks, page_block_size, nheads_k, headdim), as flash_attn_with_kvcache reads them, and sequence
-            b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages. Forward only.
+            b's keys are the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages (more than its pages
+            hold raises RuntimeError, as flash_attn_with_kvcache's check). Forward only: with inputs that
+            require grad the forward pass runs, and a backward pass through it raises NotImplementedError.
     Return:
         out: (total_q, nheads, headdim). Rows of q outside every sequence are left undefined.
         softmax_lse [if return_attn_probs]: (nheads, total_q), float32.
@@ -514,13 +516,14 @@ def flash_attn_varlen_func(
             flash_attn_func's. Without dropout, None.
     """
     if block_table is not None:
-        return _paged_varlen(
+        return _cache_varlen(
             q,
             k,
             v,
             cu_seqlens_q,
             cu_seqlens_k,
             max_seqlen_q,
+            max_seqlen_k,
             dropout_p,
             softmax_scale,
             causal,
@@ -638,18 +641,13 @@ def _check_int32(name: str, t, shape: tuple[int, ...], device: torch.device) -> 
 def _check_caches(
     q, k_cache, v_cache, batch: int, block_table, names=("q", "k_cache", "v_cache")
 ) -> torch.Tensor | None:
-    """k_cache and v_cache, read and written in place: q's dtype, device and head dim, a layout the kernels take
-    as it is; with block_table (returned checked) paged, pages of a multiple of 16 rows."""
+    """k_cache and v_cache: q's dtype, device and head dim, and where that is a multiple of 8 (the caches are then
+    read and written in place, else through padded copies) a layout the kernels take as it is; with block_table
+    (returned checked) paged, pages of a multiple of 16 rows."""
     _check_qkv(q, k_cache, v_cache, False, names, same_batch=False)
-    head_dim = q.shape[-1]
-    if head_dim % 8:
-        raise ValueError(
-            f"flash_attn_with_kvcache needs a head dim that is a multiple of 8 (the caches are read in place), "
-            f"got {head_dim}"
-        )
     for name, t in zip(names[1:], (k_cache, v_cache)):
         # (Under torch.compile the addresses are unknown when tracing: the compiled module checks them at run time.)
-        if not torch.compiler.is_compiling() and not _ops.in_place(t):
+        if q.shape[-1] % 8 == 0 and not torch.compiler.is_compiling() and not _ops.in_place(t):
             raise ValueError(
                 f"{name} must have a contiguous last dimension, 16-byte aligned rows and strides that are "
                 f"multiples of 8 elements (a tensor made with torch.empty / torch.zeros is); got strides {t.stride()}"
@@ -664,13 +662,58 @@ def _check_caches(
     return block_table
 
 
-def _paged_varlen(
+def _check_table_capacity(lengths, block_table, page_size: int, extra: int = 0) -> None:
+    """Raises RuntimeError where a sequence's keys pass the rows block_table addresses: lengths + extra, lengths an
+    int or an int32 tensor of each sequence's end row before `extra` new keys. The kernels never read past the table
+    (they clamp each sequence to it); this tells the caller that the keys past it were left out. A tensor's lengths
+    are read on the host, which waits for the GPU: not while a CUDA graph is being captured or torch.compile traces,
+    where the clamp stands."""
+    capacity = block_table.shape[1] * page_size
+    if isinstance(lengths, torch.Tensor):
+        if lengths.numel() == 0 or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return
+        lengths = int(lengths.max())
+    if lengths + extra > capacity:
+        raise RuntimeError(
+            f"block_table addresses {capacity} key rows per sequence ({block_table.shape[1]} pages of {page_size}), "
+            f"but a sequence needs {lengths + extra} (its cache_seqlens plus the new keys, or its key count): give "
+            "block_table more columns (pages) or shorten the sequence"
+        )
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """Attention through a KV cache (a paged one, or one with per-sequence used lengths) for inputs that require
+    grad: the forward pass runs as for any input, and a backward pass raises NotImplementedError naming what it
+    lacks."""
+
+    @staticmethod
+    def forward(ctx, what: str, run, q, k, v):
+        ctx.what = what
+        out, lse = run(q, k, v)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"{ctx.what}: the backward pass through a KV cache is not implemented (flash-attn has none either); "
+            "detach the inputs, or call flash_attn_varlen_func without it to train"
+        )
+
+
+def _pad_head_dim(t: torch.Tensor | None, pad: int) -> torch.Tensor | None:
+    """t with `pad` zero columns appended to its last dim (a copy), or t where pad is 0 or t is None."""
+    return t if t is None or not pad else F.pad(t, (0, pad))
+
+
+def _cache_varlen(
     q,
-    k_cache,
-    v_cache,
+    k,
+    v,
     cu_seqlens_q,
     cu_seqlens_k,
     max_seqlen_q,
+    max_seqlen_k,
     dropout_p,
     softmax_scale,
     causal,
@@ -679,33 +722,59 @@ def _paged_varlen(
     alibi_slopes,
     return_attn_probs,
     block_table,
+    seqused_k=None,
+    leftpad_k=None,
 ):
-    """flash_attn_varlen_func with paged caches (block_table): forward only, as in flash-attn."""
+    """A variable-length batch's forward pass with keys read as a KV cache: paged (block_table; k and v (num_blocks,
+    page_block_size, nheads_k, headdim)), and/or with each sequence's keys narrowed to [leftpad_k[b], seqused_k[b])
+    of its own (flash-attn's varlen_fwd: without seqused_k, cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys; a paged
+    sequence's rows are those of its pages, unpaged ones start at cu_seqlens_k[b]). Forward only, as in flash-attn:
+    inputs that require grad get an output whose backward pass raises."""
     if _check_dropout(dropout_p) > 0:
-        raise NotImplementedError("dropout_p > 0 with block_table is not implemented; pass dropout_p=0.0")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
-        raise NotImplementedError(
-            "block_table: the backward pass through a paged cache is not implemented (flash-attn has none either); "
-            "call under torch.no_grad() or detach the inputs"
-        )
+        name = "block_table" if block_table is not None else "seqused_k" if seqused_k is not None else "leftpad_k"
+        raise NotImplementedError(f"dropout_p > 0 with {name} is not implemented; pass dropout_p=0.0")
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("q must be a (total_q, nheads, headdim) tensor in a variable-length batch")
-    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _ = _check_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 0)
-    batch = cu_seqlens_q.numel() - 1
-    block_table = _check_caches(q.unsqueeze(0), k_cache, v_cache, batch, block_table, ("q", "k", "v"))
-    window_left, window_right, softcap, alibi_slopes = _check_options(q, batch, window_size, softcap, alibi_slopes)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else _check_scale(softmax_scale)
-    seqlens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).int()
-    out, lse = _ops.fwd_impl(
-        q,
-        k_cache,
-        v_cache,
-        scale,
-        bool(causal),
-        _ops.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, _ops.cache_rows(k_cache, block_table)),
-        _ops.Options(window_left, window_right, softcap, alibi_slopes),
-        _ops.Cache(seqlens_k, block_table=block_table),
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = _check_varlen(
+        q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
+    batch = cu_seqlens_q.numel() - 1
+    head_dim = q.shape[-1]
+    paged = block_table is not None
+    if paged:
+        block_table = _check_caches(q.unsqueeze(0), k, v, batch, block_table, ("q", "k", "v"))
+    else:
+        _check_qkv(q, k, v, True)
+    seqused_k = _check_int32("seqused_k", seqused_k, (batch,), q.device)
+    leftpad_k = _check_int32("leftpad_k", leftpad_k, (batch,), q.device)
+    window_left, window_right, softcap, alibi_slopes = _check_options(q, batch, window_size, softcap, alibi_slopes)
+    scale = head_dim**-0.5 if softmax_scale is None else _check_scale(softmax_scale)
+    # Each sequence's keys as a cache reads them: rows [leftpad, used) of its pages, or of k from its offset on.
+    used = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]) if seqused_k is None else seqused_k
+    if paged:
+        _check_table_capacity(used, block_table, k.shape[1])
+        cache = _ops.Cache(used.int(), leftpad=leftpad_k, block_table=block_table)
+    else:
+        start = cu_seqlens_k[:-1]
+        leftpad = start if leftpad_k is None else start + leftpad_k
+        cache = _ops.Cache((start + used).int(), leftpad=leftpad.int())
+    pad = -head_dim % 8  # the kernels read 8 elements at a time: zero columns, cut off again
+    options = _ops.Options(window_left, window_right, softcap, alibi_slopes)
+
+    def run(q, k, v):
+        q, k, v = (_pad_head_dim(t, pad) for t in (q, k, v))
+        if not paged:  # one cache batch of every row, read by each sequence (batch stride 0)
+            k, v = (_ops._kernel_operand(t).unsqueeze(0).expand(batch, *t.shape) for t in (k, v))
+        rows = _ops.cache_rows(k, block_table)
+        varlen = _ops.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, rows)
+        out, lse = _ops.fwd_impl(q, k, v, scale, bool(causal), varlen, options, cache)
+        return out[..., :head_dim] if pad else out, lse
+
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        what = "block_table" if paged else "seqused_k" if seqused_k is not None else "leftpad_k"
+        out, lse = _ForwardOnly.apply(what, run, q, k, v)
+    else:
+        out, lse = run(q, k, v)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -719,12 +788,33 @@ def _kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_bat
         rotary_cos is not None
         or alibi_slopes is not None
         or not all(type(t) is torch.Tensor for t in tensors)
+        or q.shape[-1] % 8
         or not all(t is None or type(t) is torch.Tensor for t in optional)
         or torch.compiler.is_compiling()
         or (options := _options_key(softmax_scale, causal, window_size, softcap)) is None
     ):
         return None
     return ("kvcache", *map(_signature, tensors), *map(_signature, optional), num_splits, type(num_splits), options)
+
+
+def _kvcache_padded(q, k_cache, v_cache, k, v, *args):
+    """flash_attn_with_kvcache (args: its arguments after v) at a head dim that is not a multiple of 8, which the
+    kernels cannot read in place: q, the caches and the new keys are copied with zero columns appended, and the
+    caches copied back where new keys were appended to them."""
+    head_dim = q.shape[-1]
+    pad = -head_dim % 8
+    k_padded, v_padded = _pad_head_dim(k_cache, pad), _pad_head_dim(v_cache, pad)
+    softmax_scale = head_dim**-0.5 if args[6] is None else args[6]  # the unpadded head dim's default
+    args = (*args[:6], softmax_scale, *args[7:])
+    result = flash_attn_with_kvcache(
+        _pad_head_dim(q, pad), k_padded, v_padded, _pad_head_dim(k, pad), _pad_head_dim(v, pad), *args
+    )
+    if k is not None:
+        k_cache.copy_(k_padded[..., :head_dim])
+        v_cache.copy_(v_padded[..., :head_dim])
+    if isinstance(result, tuple):
+        return result[0][..., :head_dim], result[1]
+    return result[..., :head_dim]
 
 
 def flash_attn_with_kvcache(
@@ -765,11 +855,14 @@ def flash_attn_with_kvcache(
     kernel built for reading the cache runs; more rows run the tiled kernels of flash_attn_func.
     Either splits the keys across thread blocks when the batch, heads (and query tiles) alone would leave the GPU
     idle; the splits' results are merged by their log-sum-exp, in a fixed order (the result does not depend on
-    timing). No host synchronisation and launch shapes that depend on sizes only: the call can be captured in a
-    CUDA graph.
+    timing). Launch shapes depend on sizes only, and no host synchronisation but block_table's check (below): the
+    call can be captured in a CUDA graph.
 
     Arguments:
-        q: (batch_size, seqlen_q, nheads, headdim), float16 or bfloat16; headdim a multiple of 8, at most 256.
+        q: (batch_size, seqlen_q, nheads, headdim), float16 or bfloat16; headdim at most 256. A headdim that is
+            not a multiple of 8 is zero-padded: the call then copies q and both caches whole into padded temporaries
+            (and the caches back, when k and v are appended), which costs about three times the attention's reading
+            of a long cache: keep such caches short, or pad the model's head dim once.
         k_cache, v_cache: (batch_size_cache, seqlen_cache, nheads_k, headdim), or with block_table paged caches
             (num_blocks, page_block_size, nheads_k, headdim) with page_block_size a multiple of 16. Read and
             written in place: last dimension contiguous, 16-byte aligned rows.
@@ -782,7 +875,11 @@ def flash_attn_with_kvcache(
         cache_leftpad: (batch_size,) torch.int32 or None: the first cache row of each sequence (default 0).
         block_table: (batch_size, max_num_blocks_per_seq) torch.int32 or None: the pages of each sequence; row r of
             the sequence is row r % page_block_size of page block_table[b, r // page_block_size]. A page index out
-            of range reads as zeros and is not written.
+            of range reads as zeros and is not written. A sequence whose cache_seqlens[b] + seqlen_new passes the
+            rows of its pages (max_num_blocks_per_seq * page_block_size) raises RuntimeError naming block_table, as
+            in flash-attn 2.8.4: a cache_seqlens tensor is then read on the host, which waits for the GPU. While a
+            CUDA graph is captured, or under torch.compile, that check is skipped: the kernels never read past
+            the table, and the keys past it are neither written nor attended to.
         softmax_scale, causal, window_size, softcap, alibi_slopes: as flash_attn_func.
         num_splits: int. 0 picks the number of key splits from the GPU's SM count; 1 turns splitting off; n > 1
             asks for n (at most 128, and no more than the keys allow).
@@ -797,6 +894,8 @@ def flash_attn_with_kvcache(
     key, plan = _find_plan(key)
     given = _ops.Cache(cache_seqlens, 0, cache_leftpad, cache_batch_idx, block_table)
     if plan:
+        if block_table is not None:
+            _check_table_capacity(cache_seqlens, block_table, k_cache.shape[1], 0 if k is None else k.shape[1])
         result = _ops.run_planned_kvcache(plan, q, k_cache, v_cache, k, v, given, return_softmax_lse)
         if result is not None:
             return result if return_softmax_lse else result[0]
@@ -820,9 +919,17 @@ def flash_attn_with_kvcache(
             raise ValueError(f"k has {k.shape[2]} heads but k_cache has {k_cache.shape[2]}; they must match")
         if cache_seqlens is None:
             raise ValueError("appending k and v needs cache_seqlens: the keys each cache holds before them")
+    if q.shape[-1] % 8:
+        return _kvcache_padded(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+            return_softmax_lse,
+        )  # fmt: skip
     rows = _ops.cache_rows(k_cache, block_table)
     if cache_seqlens is None:
         cache_seqlens = rows
+    if block_table is not None and isinstance(cache_seqlens, (int, torch.Tensor)):
+        _check_table_capacity(cache_seqlens, block_table, k_cache.shape[1], 0 if k is None else k.shape[1])
     if isinstance(cache_seqlens, int):
         if not 0 <= cache_seqlens <= rows:
             raise ValueError(f"cache_seqlens must be in [0, {rows}] (the cache's rows), got {cache_seqlens}")

@@ -11,8 +11,8 @@ implementations. Where they differ from flash-attn (docs/compat.md):
   backward call with dropout and no rng_state raises, where flash-attn would draw a new (wrong) mask.
 - softmax_d, the backward functions' return value, is D = rowsum(dO * O) in flash-attn's layout, computed from
   dout and out after the kernels (times 1 - dropout_p, as flash-attn stores it).
-- NotImplementedError: softcap with dropout_p > 0; leftpad_k and seqused_k of _flash_attn_varlen_forward;
-  block_table with dropout (as in cuteflash.flash_attn_varlen_func, where a paged cache is forward only).
+- NotImplementedError: dropout together with block_table, leftpad_k or seqused_k of _flash_attn_varlen_forward,
+  which read the keys as a KV cache (forward only, as in flash-attn).
 """
 
 from __future__ import annotations
@@ -328,21 +328,25 @@ def _flash_attn_varlen_forward(
     leftpad_k: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
     zero_tensors: bool = False,
+    num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """_flash_attn_forward on a variable-length batch: q (total_q, nheads, headdim), k and v (total_k, nheads_k,
-    headdim), or with block_table paged caches (forward only, no dropout); softmax_lse is (nheads, total_q). With
-    zero_tensors, the rows of out past the last sequence are zeros and their log-sum-exp -inf."""
-    for name, t in (("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
-        if t is not None:
-            raise NotImplementedError(
-                f"{name} is not implemented in cuteflash's flash-attn package; pass None (flash_attn_with_kvcache "
-                "takes per-sequence cache lengths and left padding)"
-            )
-    if block_table is not None:
+    headdim), or with block_table paged caches; softmax_lse is (nheads, total_q). seqused_k (batch,) int32: the keys
+    sequence b uses, from the start of its keys (default cu_seqlens_k[b + 1] - cu_seqlens_k[b]); leftpad_k (batch,)
+    int32: its keys begin that many rows later. block_table, seqused_k and leftpad_k: forward only, no dropout.
+    num_splits: 0 or 1 (no split of the keys here); more raises, as in flash-attn. With zero_tensors, the rows of
+    out past the last sequence are zeros and their log-sum-exp -inf."""
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    if num_splits > 1:
+        raise RuntimeError("num_splits > 1 is not supported by _flash_attn_varlen_forward; pass 0 or 1")
+    if block_table is not None or seqused_k is not None or leftpad_k is not None:
         if return_softmax:
-            raise ValueError("return_softmax needs dropout_p > 0, which a paged cache (block_table) does not take")
-        with torch.no_grad():  # a paged cache is forward only
-            out, lse, _ = flash_attn_varlen_func(
+            raise ValueError(
+                "return_softmax needs dropout_p > 0, which block_table, seqused_k and leftpad_k do not take"
+            )
+        with torch.no_grad():  # forward only
+            out, lse, _ = _cuteflash._cache_varlen(
                 q,
                 k,
                 v,
@@ -356,8 +360,10 @@ def _flash_attn_varlen_forward(
                 (window_size_left, window_size_right),
                 softcap,
                 alibi_slopes,
-                return_attn_probs=True,
-                block_table=block_table,
+                True,
+                block_table,
+                seqused_k,
+                leftpad_k,
             )
         outputs = out, lse, q.new_empty((0,)), _new_rng_state(q.device, 0.0)
     else:
@@ -402,6 +408,7 @@ def _(
     leftpad_k=None,
     seqused_k=None,
     zero_tensors=False,
+    num_splits=0,
 ):
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.shape[0] - 1
