@@ -106,7 +106,7 @@ def _dist_info_files() -> dict[str, bytes]:
     return {
         "METADATA": metadata().encode(),
         "WHEEL": b"Wheel-Version: 1.0\nGenerator: cuteflash-compat\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        "top_level.txt": b"flash_attn\n",
+        "top_level.txt": b"flash_attn\nflash_attn_2_cuda\n",
     }
 
 
@@ -115,8 +115,9 @@ def _dist_info_name() -> str:
 
 
 def _package_files() -> dict[str, bytes]:
-    """flash_attn's sources, by their path in the wheel."""
+    """flash_attn's sources and the top-level module flash_attn_2_cuda, by their path in the wheel."""
     files = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+    files.append(PACKAGE.parent / "flash_attn_2_cuda.py")
     return {p.relative_to(PACKAGE.parent).as_posix(): p.read_bytes() for p in files}
 
 

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from cuteflash.bert_padding import index_first_axis, index_put_first_axis, pad_input, unpad_input
+from cuteflash.bert_padding import (
+    index_first_axis,
+    index_first_axis_residual,
+    index_put_first_axis,
+    pad_input,
+    unpad_input,
+    unpad_input_for_concatenated_sequences,
+)
 
 
 def padded_batch(lengths, seqlen=7, extra=(3, 5), seed=0):
@@ -59,3 +66,26 @@ def test_a_mask_of_the_wrong_shape_is_refused():
     x, mask = padded_batch([2, 3])
     with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 6\).*\(2, 7\)"):
         unpad_input(x, mask[:, :6])
+
+
+def test_unpad_concatenated_sequences():
+    """Rows holding several samples one after another: each sample is a sequence of its own."""
+    x, _ = padded_batch([7, 7, 7], seqlen=6)
+    lengths = torch.tensor([[2, 3, 0, 0, 0, 0], [3, 2, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0]])
+    packed, indices, cu_seqlens, max_seqlen = unpad_input_for_concatenated_sequences(x, lengths)
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == [0, 2, 5, 8, 10, 16]
+    assert max_seqlen == 6 and isinstance(max_seqlen, int)
+    assert indices.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17]
+    assert torch.equal(packed, x.reshape(-1, 3, 5)[indices])
+
+
+def test_index_first_axis_residual_gradient():
+    """Both outputs reach the input: its gradient is the residual's plus the selected rows' (indices repeating)."""
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    indices = torch.tensor([4, 1, 4])
+    rows, residual = index_first_axis_residual(x, indices)
+    assert torch.equal(rows, x[indices]) and torch.equal(residual, x)
+    g_rows, g_res = torch.randn(3, 3, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    (rows * g_rows).sum().add((residual * g_res).sum()).backward()
+    expected = g_res.clone().index_add_(0, indices, g_rows)
+    assert torch.allclose(x.grad, expected)

@@ -524,3 +524,72 @@ def test_varlen_forward_seqused_and_leftpad(head_dim, paged, flash_attn_compat, 
         ref, lse_ref = attention_ref(qb, kb, vb, 0.3, True, torch.float64)
         pt, _ = attention_ref(qb, kb, vb, 0.3, True, torch.float16)
         assert_close_2x(f"sequence {b}", out[int(cu_q[b]) : int(cu_q[b + 1])].unsqueeze(0), ref, pt)
+
+
+@pytest.mark.gpu
+def test_flash_attn_gpu_entry_points(flash_attn_compat, make_qkv):
+    """flash_attn_2_cuda (flash_attn_interface.flash_attn_gpu): flash-attn 2.8's positional entry points give the
+    private functions' results bit for bit, write the given out / dq / dk / dv buffers, and return flash-attn's
+    lists."""
+    import flash_attn_2_cuda as gpu
+
+    fi = flash_attn_compat.flash_attn_interface
+    assert fi.flash_attn_gpu is gpu
+    q, k, v = make_qkv(2, 70, 90, 4, 2, 64, torch.float16)
+    opts = (0.0, 0.125, True, -1, -1, 0.0)
+    out_buf = torch.empty_like(q)
+    out, lse, s_dmask, rng_state = gpu.fwd(q, k, v, out_buf, None, *opts, False, None)
+    want = fi._flash_attn_forward(q, k, v, *opts, None, False)
+    assert out is out_buf and torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    dout = torch.randn_like(q)
+    dq, dk, dv, softmax_d = gpu.bwd(dout, q, k, v, out, lse, None, None, None, None, *opts, False, None, rng_state)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    want_d = fi._flash_attn_backward(dout, q, k, v, out, lse, *grads, *opts, None, False, rng_state)
+    for got, ref in zip((dq, dk, dv, softmax_d), (*grads, want_d)):
+        assert torch.equal(got, ref)
+
+    cu_q = torch.tensor([0, 70, 140], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 90, 180], dtype=torch.int32, device="cuda")
+    qv, kv, vv = (t.flatten(0, 1) for t in (q, k, v))
+    vout, vlse, _, vrng = gpu.varlen_fwd(
+        qv, kv, vv, None, cu_q, cu_k, None, None, None, None, 70, 90, *opts[:2], False, *opts[2:], False, None, 0
+    )
+    assert torch.equal(vout, out.flatten(0, 1))
+    vgrads = [torch.empty_like(t) for t in (qv, kv, vv)]
+    res = gpu.varlen_bwd(
+        dout.flatten(0, 1), qv, kv, vv, vout, vlse, *vgrads, cu_q, cu_k, None, 70, 90, *opts[:2], False, *opts[2:],
+        False, None, vrng,
+    )  # fmt: skip
+    assert all(r is g for r, g in zip(res[:3], vgrads))
+    assert torch.equal(res[0], dq.flatten(0, 1)) and torch.equal(res[2], dv.flatten(0, 1))
+
+    k_cache, v_cache = (torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    seqlens = torch.tensor([90, 17], dtype=torch.int32, device="cuda")
+    kc_out, kc_lse = gpu.fwd_kvcache(
+        q[:, :1], k_cache, v_cache, None, None, seqlens, None, None, None, None, None, None, None, 0.125, True, -1, -1,
+        0.0, True, 0,
+    )  # fmt: skip
+    ref_out, ref_lse = fi.flash_attn_with_kvcache(
+        q[:, :1], k_cache, v_cache, cache_seqlens=seqlens, softmax_scale=0.125, causal=True, return_softmax_lse=True
+    )
+    assert torch.equal(kc_out, ref_out) and torch.equal(kc_lse, ref_lse)
+
+
+@pytest.mark.gpu
+def test_dropout_that_keeps_everything(flash_attn_compat, make_qkv):
+    """diffusers calls _wrapped_flash_attn_forward with dropout_p=1e-30 (to get the log-sum-exp in training): that
+    keeps every probability and scales by exactly 1, so the results equal dropout_p=0's bit for bit, without the
+    dropout kernels; the backward pass takes the rng_state it returns."""
+    fi = flash_attn_compat.flash_attn_interface
+    q, k, v = make_qkv(1, 100, 100, 2, 2, 64, torch.float16)
+    out, lse, _, rng_state = fi._wrapped_flash_attn_forward(q, k, v, 1e-30, 0.125, True, -1, -1, 0.0, None, False)
+    out0, lse0, _, _ = fi._wrapped_flash_attn_forward(q, k, v, 0.0, 0.125, True, -1, -1, 0.0, None, False)
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    dout = torch.randn_like(q)
+    grads, grads0 = ([torch.empty_like(t) for t in (q, k, v)] for _ in range(2))
+    fi._wrapped_flash_attn_backward(
+        dout, q, k, v, out, lse, *grads, 1e-30, 0.125, True, -1, -1, 0.0, None, False, rng_state
+    )
+    fi._wrapped_flash_attn_backward(dout, q, k, v, out, lse, *grads0, 0.0, 0.125, True, -1, -1, 0.0, None, False, None)
+    for a, b in zip(grads, grads0):
+        assert torch.equal(a, b)

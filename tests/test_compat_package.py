@@ -74,12 +74,14 @@ def test_wheel_and_metadata(isolated_backend, tmp_path):
     }
     assert {"flash_attn/__init__.py", "flash_attn/flash_attn_interface.py", "flash_attn/bert_padding.py"} <= sources
     assert {"flash_attn/layers/__init__.py", "flash_attn/layers/rotary.py"} <= sources
+    assert {"flash_attn/utils/distributed.py", "flash_attn/modules/mha.py"} <= sources
+    sources.add("flash_attn_2_cuda.py")  # flash-attn's compiled module's name, a top-level module
     assert set(files) == sources | {f"{dist_info}/{n}" for n in ("METADATA", "WHEEL", "top_level.txt", "RECORD")}
     metadata = dict(line.split(": ", 1) for line in files[f"{dist_info}/METADATA"].decode().splitlines())
     assert metadata["Name"] == "flash-attn"
     assert metadata["Version"] == expected_version()
     assert metadata["Requires-Dist"] == f"cuteflash=={cuteflash.__version__.split('+')[0]}"
-    assert files[f"{dist_info}/top_level.txt"].decode().split() == ["flash_attn"]
+    assert files[f"{dist_info}/top_level.txt"].decode().split() == ["flash_attn", "flash_attn_2_cuda"]
     assert "Root-Is-Purelib: true" in files[f"{dist_info}/WHEEL"].decode()
     for line in files[f"{dist_info}/RECORD"].decode().splitlines():
         path, digest, size = line.split(",")

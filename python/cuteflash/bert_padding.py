@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"]
+__all__ = [
+    "index_first_axis",
+    "index_first_axis_residual",
+    "index_put_first_axis",
+    "pad_input",
+    "unpad_input",
+    "unpad_input_for_concatenated_sequences",
+]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +69,29 @@ def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor
     return _GatherRows.apply(input, indices)
 
 
+class _GatherRowsResidual(torch.autograd.Function):
+    """(input[indices], input detached): the second output is a residual path whose gradient flows back to input
+    too, with the rows' gradients added to it."""
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, indices: torch.Tensor):
+        ctx.save_for_backward(indices)
+        return input[indices], input.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, grad_residual: torch.Tensor):
+        (indices,) = ctx.saved_tensors
+        out = grad_residual.clone()
+        out.index_add_(0, indices, grad)
+        return out, None
+
+
+def index_first_axis_residual(input: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input[indices], input) where the gradient reaches input through both: flash-attn's helper for a layer
+    that keeps the whole input as its residual and computes on the selected rows."""
+    return _GatherRowsResidual.apply(input, indices)
+
+
 def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis_dim: int) -> torch.Tensor:
     """A tensor of `first_axis_dim` rows, zero except row indices[i] = values[i] (indices distinct)."""
     return _ScatterRows.apply(values, indices, first_axis_dim)
@@ -101,3 +131,31 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
     """The inverse of unpad_input: packed rows (total, ...) back to (batch, seqlen, ...), zeros elsewhere."""
     out = index_put_first_axis(hidden_states, indices, batch * seqlen)
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])
+
+
+def unpad_input_for_concatenated_sequences(
+    hidden_states: torch.Tensor, attention_mask_in_length: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """unpad_input for rows that each hold several samples one after another: attention_mask_in_length (batch,
+    seqlen) gives row b's sample lengths in its first entries (zeros after), e.g. [3, 2, 0, 0, 0, 0] for samples of
+    3 and 2 tokens at the start of a row of 6. Every sample becomes a sequence of its own.
+
+    Returns (hidden_states_packed (total, ...), indices (total,) int64 into the flattened (batch * seqlen),
+    cu_seqlens (samples + 1,) int32, max_seqlen_in_batch (int)). Synchronises with the GPU once, for max_seqlen.
+    """
+    lengths = attention_mask_in_length
+    if lengths.dim() != 2 or tuple(lengths.shape) != tuple(hidden_states.shape[:2]):
+        raise ValueError(
+            f"attention_mask_in_length has shape {tuple(lengths.shape)}; expected (batch, seqlen) = "
+            f"{tuple(hidden_states.shape[:2])}, the first two dims of hidden_states"
+        )
+    seqlen = lengths.shape[1]
+    kept = torch.arange(seqlen, device=lengths.device) < lengths.sum(dim=-1, keepdim=True)
+    samples = lengths.flatten()
+    samples = samples[samples != 0].to(torch.int32)
+    cu_seqlens = torch.zeros(samples.numel() + 1, dtype=torch.int32, device=lengths.device)
+    torch.cumsum(samples, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
+    indices = torch.nonzero(kept.flatten()).flatten()
+    max_seqlen = int(samples.max().item()) if samples.numel() else 0
+    packed = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
+    return packed, indices, cu_seqlens, max_seqlen

@@ -5,6 +5,8 @@ The public functions are cuteflash's own; flash_attn.flash_attn_interface adds f
 custom ops (torch.ops.flash_attn.*). Importing this package does not initialise CUDA.
 """
 
+from pkgutil import extend_path
+
 from cuteflash import __version__ as _cuteflash_version
 
 from ._version import compat_version
@@ -17,6 +19,9 @@ from .flash_attn_interface import (
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
+
+# Other distributions may add subpackages to flash_attn (flash-attn-4's flash_attn.cute), as flash-attn allows.
+__path__ = extend_path(__path__, __name__)
 
 __version__ = compat_version(_cuteflash_version)
 

@@ -17,6 +17,8 @@ implementations. Where they differ from flash-attn (docs/compat.md):
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.nn.functional as F
 
@@ -48,6 +50,27 @@ _SOFTMAX_D_CHUNK = 2**24
 
 def _round128(n: int) -> int:
     return (n + 127) // 128 * 128
+
+
+def round_multiple(x: int, m: int) -> int:
+    """x rounded up to a multiple of m (flash-attn's helper, which some consumers import)."""
+    return (x + m - 1) // m * m
+
+
+def maybe_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
+    """x with a contiguous last dimension (a copy only where it is not), or None (flash-attn's helper)."""
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+USE_TRITON_ROCM = False  # flash-attn's flag for its ROCm Triton backend, which this package never is
+
+
+def _keeps_all(dropout_p: float) -> bool:
+    """Whether dropout_p > 0 drops nothing and scales by exactly 1 in the kernels (keep threshold (1 - p) 256 rounds
+    to 256, 1 / (1 - p) rounds to 1.0 in fp32), so that the kernels without dropout compute the same bits: p below
+    about 3e-8, as diffusers passes (1e-30) to get the log-sum-exp of a training call."""
+    scale_fp32 = struct.unpack("f", struct.pack("f", 1 / (1 - dropout_p)))[0]
+    return 0 < dropout_p and round((1 - dropout_p) * 256) == 256 and scale_fp32 == 1.0
 
 
 def _check_head_dim(q: torch.Tensor) -> None:
@@ -131,7 +154,8 @@ def _forward(
         alibi_slopes,
         rng_state[:1] if dropout_p > 0 else None,
     )
-    out, lse = _ops.fwd_impl(q, k, v, softmax_scale, bool(causal), varlen, options)
+    kernel_options = options._replace(dropout_p=0.0, rng_state=None) if _keeps_all(dropout_p) else options
+    out, lse = _ops.fwd_impl(q, k, v, softmax_scale, bool(causal), varlen, kernel_options)
     if return_softmax:
         probs_varlen = (None, None, 0, 0) if varlen is None else varlen
         s_dmask = _cuteflash._attn_probs(
@@ -193,7 +217,8 @@ def _backward(
     """flash-attn's backward functions: dq, dk, dv written in place (allocated where None, as flash-attn does, and
     then dropped); returns softmax_d."""
     dropout_p = _cuteflash._check_dropout(dropout_p)
-    if dropout_p > 0 and rng_state is None:
+    kernel_dropout_p = 0.0 if _keeps_all(dropout_p) else dropout_p
+    if kernel_dropout_p > 0 and rng_state is None:
         raise ValueError(
             "dropout_p > 0 needs the rng_state that the forward call returned, so that the backward pass drops what "
             "the forward pass dropped"
@@ -214,9 +239,9 @@ def _backward(
         got = (softmax_lse.dtype, tuple(softmax_lse.shape)) if isinstance(softmax_lse, torch.Tensor) else softmax_lse
         raise ValueError(f"softmax_lse must be the forward call's float32 log-sum-exp, shape {lse_shape}; got {got}")
     batch = q.shape[0] if varlen is None else varlen.cu_seqlens_q.numel() - 1
-    kernel_rng_state = _kernel_rng_state(rng_state, q.device) if dropout_p > 0 else None
+    kernel_rng_state = _kernel_rng_state(rng_state, q.device) if kernel_dropout_p > 0 else None
     options = _options(
-        q, batch, dropout_p, window_size_left, window_size_right, softcap, alibi_slopes, kernel_rng_state
+        q, batch, kernel_dropout_p, window_size_left, window_size_right, softcap, alibi_slopes, kernel_rng_state
     )
     grads = []
     for name, g, t in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
@@ -536,3 +561,14 @@ def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, *rest):
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     return q.new_empty((nheads, total_q + 128 * batch), dtype=torch.float32)
+
+
+# flash-attn 2.7+'s names for its ops, which libraries call to reach the log-sum-exp (diffusers' flash backends call
+# them positionally, with dropout_p=1e-30 in training: _keeps_all runs that without the dropout kernels).
+_wrapped_flash_attn_forward = torch.ops.flash_attn._flash_attn_forward
+_wrapped_flash_attn_varlen_forward = torch.ops.flash_attn._flash_attn_varlen_forward
+_wrapped_flash_attn_backward = torch.ops.flash_attn._flash_attn_backward
+_wrapped_flash_attn_varlen_backward = torch.ops.flash_attn._flash_attn_varlen_backward
+
+# flash-attn's compiled module, with its positional entry points (xtuner calls flash_attn_gpu.varlen_fwd).
+import flash_attn_2_cuda as flash_attn_gpu  # noqa: E402, F401 (it calls the ops above)
