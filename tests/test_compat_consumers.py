@@ -50,6 +50,18 @@ CONSUMERS = [
         "from flash_attn.modules.mha import flash_attn_varlen_kvpacked_func",
     ),
     (
+        "transformers 4.57 ModernBERT",
+        "src/transformers/models/modernbert/modeling_modernbert.py",
+        "from flash_attn.flash_attn_interface import flash_attn_varlen_qkvpacked_func\n"
+        "from flash_attn.layers.rotary import RotaryEmbedding\n"
+        "from flash_attn.ops.triton.rotary import apply_rotary",
+    ),
+    (
+        "mamba",
+        "mamba_ssm/modules/mha.py",
+        "from flash_attn.layers.rotary import RotaryEmbedding",
+    ),
+    (
         "flash-attn 2.8.3's own tests",
         "tests/test_flash_attn.py",
         "from flash_attn.bert_padding import pad_input, unpad_input\n"

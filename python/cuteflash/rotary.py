@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_rotary_emb"]
+__all__ = [
+    "RotaryEmbedding",
+    "apply_rotary",
+    "apply_rotary_emb",
+    "apply_rotary_emb_kv_",
+    "apply_rotary_emb_qkv_",
+]
 
 
 def _positions(x: torch.Tensor, seqlen_offsets: int | torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -79,7 +85,7 @@ def apply_rotary_emb(
     rows = positions.clamp(0, cos.shape[0] - 1)
     c = torch.where(inside[..., None], cos.to(compute)[rows], 1.0).unsqueeze(-2)  # (..., 1, half)
     s = torch.where(inside[..., None], sin.to(compute)[rows], 0.0).unsqueeze(-2)
-    rotated = x[..., : 2 * half].to(compute)
+    rotated = x[..., : 2 * half].to(compute, copy=inplace)  # (a copy: x's values are overwritten below)
     if interleaved:
         x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
         out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
@@ -91,3 +97,155 @@ def apply_rotary_emb(
         x[..., : 2 * half] = out
         return x
     return torch.cat((out, x[..., 2 * half :]), dim=-1)
+
+
+def apply_rotary(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    seqlen_offsets: int | torch.Tensor = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    interleaved: bool = False,
+    inplace: bool = False,
+    conjugate: bool = False,
+) -> torch.Tensor:
+    """flash-attn's flash_attn.ops.triton.rotary.apply_rotary: apply_rotary_emb with its arguments in that order,
+    and conjugate=True for the inverse rotation (the angles negated: the backward pass of a rotation)."""
+    return apply_rotary_emb(
+        x, cos, -sin if conjugate else sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen
+    )
+
+
+def _split_qkv(qkv: torch.Tensor, num_heads_q: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of q and k in a packed qkv: (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2
+    num_heads_k, headdim) with num_heads_q (MQA/GQA)."""
+    if qkv.dim() == 5 and qkv.shape[2] == 3 and num_heads_q is None:
+        return qkv[:, :, 0], qkv[:, :, 1]
+    if qkv.dim() != 4 or num_heads_q is None or (qkv.shape[2] - num_heads_q) % 2 or qkv.shape[2] <= num_heads_q:
+        raise ValueError(
+            "qkv must be (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2 * num_heads_k, "
+            f"headdim) with num_heads_q; got {tuple(qkv.shape)} and num_heads_q={num_heads_q}"
+        )
+    num_heads_k = (qkv.shape[2] - num_heads_q) // 2
+    return qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q : num_heads_q + num_heads_k]
+
+
+def apply_rotary_emb_qkv_(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cos_k: torch.Tensor | None = None,
+    sin_k: torch.Tensor | None = None,
+    interleaved: bool = False,
+    seqlen_offsets: int | torch.Tensor = 0,
+    num_heads_q: int | None = None,
+) -> torch.Tensor:
+    """Rotates q and k of a packed qkv in place (flash-attn's function of this name) and returns qkv: (batch,
+    seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2 * num_heads_k, headdim) with num_heads_q. k
+    takes cos_k and sin_k where given (xPos), else cos and sin."""
+    q, k = _split_qkv(qkv, num_heads_q)
+    apply_rotary_emb(q, cos, sin, interleaved, True, seqlen_offsets)
+    apply_rotary_emb(k, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k, interleaved, True,
+                     seqlen_offsets)  # fmt: skip
+    return qkv
+
+
+def apply_rotary_emb_kv_(
+    kv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+    seqlen_offsets: int | torch.Tensor = 0,
+) -> torch.Tensor:
+    """Rotates k of a packed kv (batch, seqlen, 2, nheads_k, headdim) in place and returns kv."""
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv must be (batch, seqlen, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    apply_rotary_emb(kv[:, :, 0], cos, sin, interleaved, True, seqlen_offsets)
+    return kv
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """flash-attn's flash_attn.layers.rotary.RotaryEmbedding: rotates q and k of packed qkv (or q and packed kv) in
+    place by position, with a cos/sin table cached up to the longest position seen.
+
+    dim: the rotary dim (the first dim features of each head rotate); base: the angles' base, position t rotating
+    pair i by t base^(-2i / dim); interleaved: GPT-J's pairs (0, 1), (2, 3), ... rather than GPT-NeoX's halves;
+    scale_base: xPos (Sun et al.): q's rotation is scaled by s_i^((t - seqlen / 2) / scale_base) and k's by its
+    inverse, s_i = (2i + 0.4 dim) / (1.4 dim). The table is computed in fp32 and kept in the inputs' dtype, as
+    flash-attn keeps it (_cos_cached, _sin_cached, and _cos_k_cached, _sin_k_cached for xPos).
+    """
+
+    def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False, scale_base=None, device=None):
+        super().__init__()
+        self.dim = dim
+        self.base = float(base)
+        self.interleaved = interleaved
+        self.scale_base = scale_base
+        self.register_buffer("inv_freq", self._compute_inv_freq(device), persistent=False)
+        pairs = torch.arange(0, dim, 2, device=device, dtype=torch.float32)
+        scale = (pairs + 0.4 * dim) / (1.4 * dim) if scale_base is not None else None
+        self.register_buffer("scale", scale, persistent=False)
+        self._seq_len_cached = 0
+        self._cos_cached = self._sin_cached = self._cos_k_cached = self._sin_k_cached = None
+
+    def _compute_inv_freq(self, device=None) -> torch.Tensor:
+        return self.base ** -(torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim)
+
+    def _update_cos_sin_cache(self, seqlen: int, device=None, dtype=None) -> None:
+        """Recomputes the table for positions 0..seqlen-1 where it is shorter, on another device or dtype, or an
+        inference tensor while training."""
+        cached = self._cos_cached
+        if not (
+            cached is None
+            or seqlen > self._seq_len_cached
+            or cached.device != torch.device(device if device is not None else cached.device)
+            or cached.dtype != (dtype if dtype is not None else cached.dtype)
+            or (self.training and cached.is_inference())
+        ):
+            return
+        self._seq_len_cached = seqlen
+        # fp32 angles whatever the module's dtype: positions times frequencies lose most of their bits in bf16
+        inv_freq = self.inv_freq if self.inv_freq.dtype == torch.float32 else self._compute_inv_freq(device)
+        angles = torch.outer(torch.arange(seqlen, device=device, dtype=torch.float32), inv_freq.to(device))
+        cos, sin = torch.cos(angles), torch.sin(angles)
+        if self.scale is None:
+            self._cos_cached, self._sin_cached = cos.to(dtype), sin.to(dtype)
+            return
+        power = (torch.arange(seqlen, device=device, dtype=torch.float32) - seqlen // 2) / self.scale_base
+        scale = self.scale.to(device) ** power[:, None]
+        self._cos_cached, self._sin_cached = (cos * scale).to(dtype), (sin * scale).to(dtype)
+        self._cos_k_cached, self._sin_k_cached = (cos / scale).to(dtype), (sin / scale).to(dtype)
+
+    def forward(
+        self,
+        qkv: torch.Tensor,
+        kv: torch.Tensor | None = None,
+        seqlen_offset: int | torch.Tensor = 0,
+        max_seqlen: int | None = None,
+        num_heads_q: int | None = None,
+    ):
+        """qkv: packed (apply_rotary_emb_qkv_'s shapes) where kv is None, else q (batch, seqlen, nheads, headdim)
+        and kv (batch, seqlen, 2, nheads_k, headdim). seqlen_offset: an int or a (batch,) tensor added to each
+        sequence's positions (the cached length in decoding); with a tensor, pass max_seqlen to size the table.
+        Rotates in place; returns qkv, or (q, kv)."""
+        seqlen = qkv.shape[1]
+        if max_seqlen is not None:
+            self._update_cos_sin_cache(max_seqlen, device=qkv.device, dtype=qkv.dtype)
+        elif isinstance(seqlen_offset, int):
+            self._update_cos_sin_cache(seqlen + seqlen_offset, device=qkv.device, dtype=qkv.dtype)
+        xpos = self.scale is not None
+        cos_k, sin_k = (self._cos_k_cached, self._sin_k_cached) if xpos else (None, None)
+        if kv is None:
+            return apply_rotary_emb_qkv_(
+                qkv, self._cos_cached, self._sin_cached, cos_k, sin_k, self.interleaved, seqlen_offset, num_heads_q
+            )
+        q = apply_rotary_emb(qkv, self._cos_cached, self._sin_cached, self.interleaved, True, seqlen_offset)
+        kv = apply_rotary_emb_kv_(
+            kv,
+            cos_k if xpos else self._cos_cached,
+            sin_k if xpos else self._sin_cached,
+            self.interleaved,
+            seqlen_offset,
+        )
+        return q, kv
