@@ -27,10 +27,15 @@ __all__ = [
 ]
 
 
+# Newer torch names the tensor forms *_single (the old names warn there); older torch has only the old ones.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_raw(input_: Tensor, process_group, async_op: bool = False):
     world = dist.get_world_size(process_group)
     out = input_.new_empty((world * input_.shape[0], *input_.shape[1:]))
-    work = dist.all_gather_into_tensor(out, input_.contiguous(), group=process_group, async_op=async_op)
+    work = _all_gather_tensor(out, input_.contiguous(), group=process_group, async_op=async_op)
     return out, work
 
 
@@ -39,7 +44,7 @@ def reduce_scatter_raw(input_: Tensor, process_group, async_op: bool = False):
     if input_.shape[0] % world:
         raise ValueError(f"reduce_scatter: the first axis ({input_.shape[0]}) must divide among {world} ranks")
     out = input_.new_empty((input_.shape[0] // world, *input_.shape[1:]))
-    work = dist.reduce_scatter_tensor(out, input_.contiguous(), group=process_group, async_op=async_op)
+    work = _reduce_scatter_tensor(out, input_.contiguous(), group=process_group, async_op=async_op)
     return out, work
 
 
@@ -49,48 +54,32 @@ def all_reduce_raw(input_: Tensor, process_group, async_op: bool = False):
     return out, work
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_: Tensor, process_group) -> Tensor:
-        ctx.process_group = process_group
-        return all_gather_raw(input_, process_group)[0]
+class _Collective(torch.autograd.Function):
+    """forward_raw's result, whose gradient is backward_raw's of the incoming one (an all-gather and a reduce-scatter
+    are each other's gradient; an all-reduce's gradient passes through, backward_raw None)."""
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        return reduce_scatter_raw(grad, ctx.process_group)[0], None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_: Tensor, process_group) -> Tensor:
-        ctx.process_group = process_group
-        return reduce_scatter_raw(input_, process_group)[0]
+    def forward(ctx, input_: Tensor, process_group, forward_raw, backward_raw) -> Tensor:
+        ctx.process_group, ctx.backward_raw = process_group, backward_raw
+        return forward_raw(input_, process_group)[0]
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return all_gather_raw(grad, ctx.process_group)[0], None
-
-
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_: Tensor, process_group) -> Tensor:
-        return all_reduce_raw(input_, process_group)[0]
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
+        if ctx.backward_raw is not None:
+            grad = ctx.backward_raw(grad, ctx.process_group)[0]
+        return grad, None, None, None
 
 
 def all_gather(input_: Tensor, process_group) -> Tensor:
-    return _AllGather.apply(input_, process_group)
+    return _Collective.apply(input_, process_group, all_gather_raw, reduce_scatter_raw)
 
 
 def reduce_scatter(input_: Tensor, process_group) -> Tensor:
-    return _ReduceScatter.apply(input_, process_group)
+    return _Collective.apply(input_, process_group, reduce_scatter_raw, all_gather_raw)
 
 
 def all_reduce(input_: Tensor, process_group) -> Tensor:
-    return _AllReduce.apply(input_, process_group)
+    return _Collective.apply(input_, process_group, all_reduce_raw, None)
 
 
 def sync_shared_params(model: torch.nn.Module, process_group) -> None:
