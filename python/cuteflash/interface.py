@@ -730,9 +730,9 @@ def _cache_varlen(
     of its own (flash-attn's varlen_fwd: without seqused_k, cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys; a paged
     sequence's rows are those of its pages, unpaged ones start at cu_seqlens_k[b]). Forward only, as in flash-attn:
     inputs that require grad get an output whose backward pass raises."""
+    what = "block_table" if block_table is not None else "seqused_k" if seqused_k is not None else "leftpad_k"
     if _check_dropout(dropout_p) > 0:
-        name = "block_table" if block_table is not None else "seqused_k" if seqused_k is not None else "leftpad_k"
-        raise NotImplementedError(f"dropout_p > 0 with {name} is not implemented; pass dropout_p=0.0")
+        raise NotImplementedError(f"dropout_p > 0 with {what} is not implemented; pass dropout_p=0.0")
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("q must be a (total_q, nheads, headdim) tensor in a variable-length batch")
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = _check_varlen(
@@ -771,7 +771,6 @@ def _cache_varlen(
         return out[..., :head_dim] if pad else out, lse
 
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        what = "block_table" if paged else "seqused_k" if seqused_k is not None else "leftpad_k"
         out, lse = _ForwardOnly.apply(what, run, q, k, v)
     else:
         out, lse = run(q, k, v)
