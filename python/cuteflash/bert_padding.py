@@ -117,14 +117,21 @@ def unpad_input(
         )
     used = attention_mask != 0
     kept = used if unused_mask is None else used | (unused_mask != 0)
-    seqlens = kept.sum(dim=-1, dtype=torch.int32)
     seqused = used.sum(dim=-1, dtype=torch.int32)
+    return (*_pack(hidden_states, kept, kept.sum(dim=-1, dtype=torch.int32)), seqused)
+
+
+def _pack(
+    hidden_states: torch.Tensor, kept: torch.Tensor, seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The rows of hidden_states (batch, seqlen, ...) where kept (batch, seqlen) holds, packed, as sequences of
+    seqlens (int32) tokens: (packed, indices, cu_seqlens, max_seqlen). Synchronises with the GPU for max_seqlen."""
     indices = torch.nonzero(kept.flatten()).flatten()
     cu_seqlens = torch.zeros(seqlens.shape[0] + 1, dtype=torch.int32, device=seqlens.device)
     torch.cumsum(seqlens, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
     max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
     packed = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
-    return packed, indices, cu_seqlens, max_seqlen, seqused
+    return packed, indices, cu_seqlens, max_seqlen
 
 
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
@@ -149,13 +156,6 @@ def unpad_input_for_concatenated_sequences(
             f"attention_mask_in_length has shape {tuple(lengths.shape)}; expected (batch, seqlen) = "
             f"{tuple(hidden_states.shape[:2])}, the first two dims of hidden_states"
         )
-    seqlen = lengths.shape[1]
-    kept = torch.arange(seqlen, device=lengths.device) < lengths.sum(dim=-1, keepdim=True)
+    kept = torch.arange(lengths.shape[1], device=lengths.device) < lengths.sum(dim=-1, keepdim=True)
     samples = lengths.flatten()
-    samples = samples[samples != 0].to(torch.int32)
-    cu_seqlens = torch.zeros(samples.numel() + 1, dtype=torch.int32, device=lengths.device)
-    torch.cumsum(samples, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
-    indices = torch.nonzero(kept.flatten()).flatten()
-    max_seqlen = int(samples.max().item()) if samples.numel() else 0
-    packed = index_first_axis(hidden_states.reshape(-1, *hidden_states.shape[2:]), indices)
-    return packed, indices, cu_seqlens, max_seqlen
+    return _pack(hidden_states, kept, samples[samples != 0].to(torch.int32))

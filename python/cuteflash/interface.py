@@ -796,18 +796,18 @@ def _kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_bat
     return ("kvcache", *map(_signature, tensors), *map(_signature, optional), num_splits, type(num_splits), options)
 
 
-def _kvcache_padded(q, k_cache, v_cache, k, v, *args):
-    """flash_attn_with_kvcache (args: its arguments after v) at a head dim that is not a multiple of 8, which the
+def _kvcache_padded(q, k_cache, v_cache, k, v, softmax_scale, **kwargs):
+    """flash_attn_with_kvcache (kwargs: its other arguments) at a head dim that is not a multiple of 8, which the
     kernels cannot read in place: q, the caches and the new keys are copied with zero columns appended, and the
     caches copied back where new keys were appended to them."""
     head_dim = q.shape[-1]
     pad = -head_dim % 8
     k_padded, v_padded = _pad_head_dim(k_cache, pad), _pad_head_dim(v_cache, pad)
-    softmax_scale = head_dim**-0.5 if args[6] is None else args[6]  # the unpadded head dim's default
-    args = (*args[:6], softmax_scale, *args[7:])
     result = flash_attn_with_kvcache(
-        _pad_head_dim(q, pad), k_padded, v_padded, _pad_head_dim(k, pad), _pad_head_dim(v, pad), *args
-    )
+        _pad_head_dim(q, pad), k_padded, v_padded, _pad_head_dim(k, pad), _pad_head_dim(v, pad),
+        softmax_scale=head_dim**-0.5 if softmax_scale is None else softmax_scale,  # the unpadded head dim's default
+        **kwargs,
+    )  # fmt: skip
     if k is not None:
         k_cache.copy_(k_padded[..., :head_dim])
         v_cache.copy_(v_padded[..., :head_dim])
@@ -920,9 +920,11 @@ def flash_attn_with_kvcache(
             raise ValueError("appending k and v needs cache_seqlens: the keys each cache holds before them")
     if q.shape[-1] % 8:
         return _kvcache_padded(
-            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-            return_softmax_lse,
+            q, k_cache, v_cache, k, v, softmax_scale, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+            block_table=block_table, causal=causal, window_size=window_size, softcap=softcap,
+            rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
+            return_softmax_lse=return_softmax_lse,
         )  # fmt: skip
     rows = _ops.cache_rows(k_cache, block_table)
     if cache_seqlens is None:
