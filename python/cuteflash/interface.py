@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -662,23 +663,60 @@ def _check_caches(
     return block_table
 
 
-def _check_table_capacity(lengths, block_table, page_size: int, extra: int = 0) -> None:
-    """Raises RuntimeError where a sequence's keys pass the rows block_table addresses: lengths + extra, lengths an
-    int or an int32 tensor of each sequence's end row before `extra` new keys. The kernels never read past the table
-    (they clamp each sequence to it); this tells the caller that the keys past it were left out. A tensor's lengths
-    are read on the host, which waits for the GPU: not while a CUDA graph is being captured or torch.compile traces,
-    where the clamp stands."""
+def _table_overflow(needed: int, block_table, page_size: int) -> None:
+    """Raises RuntimeError naming block_table where a sequence needs `needed` key rows and its pages hold fewer."""
     capacity = block_table.shape[1] * page_size
-    if isinstance(lengths, torch.Tensor):
-        if lengths.numel() == 0 or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
-            return
-        lengths = int(lengths.max())
-    if lengths + extra > capacity:
+    if needed > capacity:
         raise RuntimeError(
             f"block_table addresses {capacity} key rows per sequence ({block_table.shape[1]} pages of {page_size}), "
-            f"but a sequence needs {lengths + extra} (its cache_seqlens plus the new keys, or its key count): give "
+            f"but a sequence needs {needed} (its cache_seqlens plus the new keys, or its key count): give "
             "block_table more columns (pages) or shorten the sequence"
         )
+
+
+# A pinned host buffer and an event per (device, dtype, thread), into which _check_table_capacity copies the lengths.
+_length_readers: dict = {}
+
+
+def _check_table_capacity(lengths, block_table, page_size: int, extra: int = 0):
+    """Checks that no sequence's keys pass the rows block_table addresses: lengths + extra, lengths an int or an
+    integer tensor of each sequence's end row before `extra` new keys. The kernels never read past the table (they
+    clamp each sequence to it); this tells the caller that the keys past it were left out.
+
+    An int is checked at once. A CUDA tensor is copied to pinned host memory behind the work already queued; the
+    returned callable waits for that copy alone and raises: call it after launching the call's kernels, so that the
+    wait overlaps them. Where the copy would break a CUDA-graph capture or a torch.compile trace, nothing is read
+    and the clamp stands. Returns None where there is nothing left to check."""
+    if not isinstance(lengths, torch.Tensor):
+        _table_overflow(lengths + extra, block_table, page_size)
+        return None
+    count = lengths.numel()
+    if count == 0 or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return None
+    if lengths.device.type != "cuda":
+        _table_overflow(int(lengths.max()) + extra, block_table, page_size)
+        return None
+    key = (lengths.device.index, lengths.dtype, threading.get_ident())
+    reader = _length_readers.get(key)
+    if reader is None or reader[0].numel() < count:
+        host = torch.empty(max(count, 64), dtype=lengths.dtype, pin_memory=True)
+        reader = _length_readers[key] = (host, torch.cuda.Event())
+    host, event = reader
+    host = host[:count]
+    host.copy_(lengths.reshape(-1), non_blocking=True)
+    event.record(torch.cuda.current_stream(lengths.device))
+
+    def finish():
+        event.synchronize()
+        _table_overflow(int(host.max()) + extra, block_table, page_size)
+
+    return finish
+
+
+def _finish(check) -> None:
+    """Runs what _check_table_capacity left to check after the launch."""
+    if check is not None:
+        check()
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -741,6 +779,7 @@ def _cache_varlen(
     batch = cu_seqlens_q.numel() - 1
     head_dim = q.shape[-1]
     paged = block_table is not None
+    table_check = None
     if paged:
         block_table = _check_caches(q.unsqueeze(0), k, v, batch, block_table, ("q", "k", "v"))
     else:
@@ -752,7 +791,7 @@ def _cache_varlen(
     # Each sequence's keys as a cache reads them: rows [leftpad, used) of its pages, or of k from its offset on.
     used = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]) if seqused_k is None else seqused_k
     if paged:
-        _check_table_capacity(used, block_table, k.shape[1])
+        table_check = _check_table_capacity(used, block_table, k.shape[1])
         cache = _ops.Cache(used.int(), leftpad=leftpad_k, block_table=block_table)
     else:
         start = cu_seqlens_k[:-1]
@@ -774,6 +813,7 @@ def _cache_varlen(
         out, lse = _ForwardOnly.apply(what, run, q, k, v)
     else:
         out, lse = run(q, k, v)
+    _finish(table_check)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -876,9 +916,11 @@ def flash_attn_with_kvcache(
             the sequence is row r % page_block_size of page block_table[b, r // page_block_size]. A page index out
             of range reads as zeros and is not written. A sequence whose cache_seqlens[b] + seqlen_new passes the
             rows of its pages (max_num_blocks_per_seq * page_block_size) raises RuntimeError naming block_table, as
-            in flash-attn 2.8.4: a cache_seqlens tensor is then read on the host, which waits for the GPU. While a
-            CUDA graph is captured, or under torch.compile, that check is skipped: the kernels never read past
-            the table, and the keys past it are neither written nor attended to.
+            in flash-attn 2.8.4: a cache_seqlens tensor is then copied to the host behind the queued work, and the
+            call waits for that copy after launching its kernels (which run on the lengths clamped to the table, so
+            the new keys within it are written before the error). While a CUDA graph is captured, or under
+            torch.compile, that check is skipped: the kernels never read past the table, and the keys past it are
+            neither written nor attended to.
         softmax_scale, causal, window_size, softcap, alibi_slopes: as flash_attn_func.
         num_splits: int. 0 picks the number of key splits from the GPU's SM count; 1 turns splitting off; n > 1
             asks for n (at most 128, and no more than the keys allow).
@@ -893,9 +935,13 @@ def flash_attn_with_kvcache(
     key, plan = _find_plan(key)
     given = _ops.Cache(cache_seqlens, 0, cache_leftpad, cache_batch_idx, block_table)
     if plan:
+        table_check = None
         if block_table is not None:
-            _check_table_capacity(cache_seqlens, block_table, k_cache.shape[1], 0 if k is None else k.shape[1])
+            table_check = _check_table_capacity(
+                cache_seqlens, block_table, k_cache.shape[1], 0 if k is None else k.shape[1]
+            )
         result = _ops.run_planned_kvcache(plan, q, k_cache, v_cache, k, v, given, return_softmax_lse)
+        _finish(table_check)
         if result is not None:
             return result if return_softmax_lse else result[0]
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -929,8 +975,11 @@ def flash_attn_with_kvcache(
     rows = _ops.cache_rows(k_cache, block_table)
     if cache_seqlens is None:
         cache_seqlens = rows
+    table_check = None
     if block_table is not None and isinstance(cache_seqlens, (int, torch.Tensor)):
-        _check_table_capacity(cache_seqlens, block_table, k_cache.shape[1], 0 if k is None else k.shape[1])
+        table_check = _check_table_capacity(
+            cache_seqlens, block_table, k_cache.shape[1], 0 if k is None else k.shape[1]
+        )
     if isinstance(cache_seqlens, int):
         if not 0 <= cache_seqlens <= rows:
             raise ValueError(f"cache_seqlens must be in [0, {rows}] (the cache's rows), got {cache_seqlens}")
@@ -956,6 +1005,7 @@ def flash_attn_with_kvcache(
         if plan:
             result = _ops.run_planned_kvcache(plan, q, k_cache, v_cache, k, v, given, return_softmax_lse)
             if result is not None:
+                _finish(table_check)
                 return result if return_softmax_lse else result[0]
     if rotary_cos is not None:
         if k is None:
@@ -990,4 +1040,5 @@ def flash_attn_with_kvcache(
         alibi_slopes,
         num_splits,
     )
+    _finish(table_check)
     return (out, lse) if return_softmax_lse else out
