@@ -3,9 +3,9 @@ and the variable-length ring, zigzag and llama3 functions (axolotl's sequence pa
 reference, forward and backward, with the 2x rule. They call flash_attn.flash_attn_interface's private functions for
 the blocks' outputs and log-sum-exps, and torch.distributed (NCCL) for the rest.
 
-At world size 1 (one process, one GPU, an NCCL group over a FileStore) and, where two GPUs are visible, at world
-size 2: two processes, one GPU each, each holding its shard of the sequences, checked against attention on the whole
-sequences."""
+At world size 1 (one process, one GPU, an NCCL group over a FileStore) and, at each world size of 2, 4 and 8 that
+the visible GPUs allow, that many processes, one GPU each, each holding its shard of the sequences, checked against
+attention on the whole sequences."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cuteflash.bench_ring import WORLD, import_ring_flash_attn, shard_positions, why_not, zigzag_positions
+from cuteflash.bench_ring import import_ring_flash_attn, shard_positions, why_not, zigzag_positions
 from cuteflash.reference import attention_ref
 
 pytestmark = pytest.mark.gpu
@@ -138,10 +138,11 @@ def test_llama3_flash_attn_varlen_func(dtype, heads_k_stride, ring, make_qkv, as
     _check(fn, q, k, v, True, assert_close_2x, lengths=lengths)
 
 
-# ---- World size 2: two processes, one GPU each, over NCCL.
+# ---- World sizes 2, 4 and 8: that many processes, one GPU each, over NCCL.
 
-# Multiples of 2 * WORLD: the zigzag functions cut each sequence into 2 * WORLD equal chunks, the ring ones into WORLD.
-SHARD_LENGTHS = [200, 16, 460, 96]
+WORLDS = (2, 4, 8)
+# Multiples of 2 * 8: the zigzag functions cut each sequence into 2 * world equal chunks, the ring ones into world.
+SHARD_LENGTHS = [208, 16, 464, 96]
 SHARD_SEQLEN = 1024  # the fixed-length functions: batch 2 of this many tokens
 
 
@@ -159,7 +160,7 @@ class RingCase(NamedTuple):
         return f"{self.function}-{self.dtype}-{mask}-d{self.head_dim}{stride}"
 
 
-TWO_GPU_CASES = [
+RING_CASES = [
     *(RingCase("ring_flash_attn_func", dt, c) for dt in DTYPE_NAMES for c in (False, True)),
     *(RingCase("zigzag_ring_flash_attn_func", dt, True, d) for dt in DTYPE_NAMES for d in (64, 128)),
     *(RingCase("ring_flash_attn_varlen_func", dt, c) for dt in DTYPE_NAMES for c in (False, True)),
@@ -180,22 +181,22 @@ def _cu_seqlens(lengths):
     return torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
 
 
-def _shard_call(ring, case: RingCase, rank: int, lengths):
+def _shard_call(ring, case: RingCase, rank: int, world: int, lengths):
     """(positions, fn): the token positions rank holds of the whole sequences, and fn(q, k, v) -> (out, lse, None)
     calling the case's function on them."""
     fn = getattr(ring, case.function)
     kwargs = {"causal": case.causal, "return_attn_probs": True}
-    if case.function.startswith("llama3"):  # the packed tokens cut into WORLD slices, whatever the sequences
-        args = ring.llama3_flash_attn_prepare_cu_seqlens(_cu_seqlens(lengths), case.causal, rank, WORLD)
+    if case.function.startswith("llama3"):  # the packed tokens cut into `world` slices, whatever the sequences
+        args = ring.llama3_flash_attn_prepare_cu_seqlens(_cu_seqlens(lengths), case.causal, rank, world)
         args = (*args[:4], case.heads_k_stride, args[4])  # cu_q, cu_k, max_q, max_k, heads_k_stride, k_slice
-        return shard_positions([sum(lengths)], WORLD, [rank]).cuda(), lambda q, k, v: fn(q, k, v, *args, **kwargs)
+        return shard_positions([sum(lengths)], world, [rank]).cuda(), lambda q, k, v: fn(q, k, v, *args, **kwargs)
     if "zigzag" in case.function:
-        positions = zigzag_positions(lengths, rank, WORLD).cuda()
+        positions = zigzag_positions(lengths, rank, world).cuda()
     else:
-        positions = shard_positions(lengths, WORLD, [rank]).cuda()
+        positions = shard_positions(lengths, world, [rank]).cuda()
     args = ()
     if "varlen" in case.function:  # the local lengths: each sequence's share of this rank
-        local = [n // WORLD for n in lengths]
+        local = [n // world for n in lengths]
         args = (_cu_seqlens(local), max(local))
     return positions, lambda q, k, v: fn(q, k, v, *args, **kwargs)
 
@@ -215,7 +216,7 @@ def _whole_reference(q, k, v, dout, lengths, causal, compute_dtype, varlen):
     return out, lse, grads
 
 
-def _check_shard(ring, case: RingCase, rank: int, assert_close_2x) -> None:
+def _check_shard(ring, case: RingCase, rank: int, world: int, assert_close_2x) -> None:
     """The case on this rank's shard, against the reference on the whole sequences (the same on every rank: the
     inputs are drawn from one seed)."""
     dtype = DTYPE_NAMES[case.dtype]
@@ -226,7 +227,7 @@ def _check_shard(ring, case: RingCase, rank: int, assert_close_2x) -> None:
     q, k, v, dout = (
         torch.randn(*shape, heads, case.head_dim, device="cuda", dtype=dtype, generator=g) for heads in (8, 2, 2, 8)
     )
-    positions, fn = _shard_call(ring, case, rank, lengths)
+    positions, fn = _shard_call(ring, case, rank, world, lengths)
     seq = 0 if varlen else 1  # the sequence dim of q, k, v; lse's is the last
 
     def mine(t):
@@ -248,20 +249,20 @@ def _check_shard(ring, case: RingCase, rank: int, assert_close_2x) -> None:
         assert_close_2x(name, got, pick(r), pick(p))
 
 
-def _two_gpu_worker(rank: int, store_path: str, results_dir: str) -> None:
-    """One rank: every case of TWO_GPU_CASES on GPU `rank`, its outcome (None, or the failure) written to
+def _ring_worker(rank: int, world: int, store_path: str, results_dir: str) -> None:
+    """One rank of `world`: every case of RING_CASES on GPU `rank`, its outcome (None, or the failure) written to
     results_dir/rank<rank>.json. An error outside the checks ends the process, and mp.spawn reports it."""
     from conftest import _assert_close_2x  # this test folder's conftest: the 2x rule
 
     torch.cuda.set_device(rank)
-    store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=2))
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=2))
     try:
         ring = import_ring_flash_attn()
         outcomes = {}
-        for case in TWO_GPU_CASES:
+        for case in RING_CASES:
             try:
-                _check_shard(ring, case, rank, _assert_close_2x)
+                _check_shard(ring, case, rank, world, _assert_close_2x)
                 outcomes[case.id] = None
             except AssertionError as e:
                 outcomes[case.id] = f"rank {rank}: {e}"
@@ -271,20 +272,22 @@ def _two_gpu_worker(rank: int, store_path: str, results_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def two_gpu_outcomes(flash_attn_compat, tmp_path_factory):
-    """{case id: [outcome of rank 0, of rank 1]}: the cases run once, by two processes (torch.multiprocessing.spawn)."""
-    reason = why_not()
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"{world}gpus")
+def ring_outcomes(request, flash_attn_compat, tmp_path_factory):
+    """{case id: [outcome of each rank]}: the cases run once per world size, by that many processes
+    (torch.multiprocessing.spawn), one GPU each."""
+    world = request.param
+    reason = why_not(world)
     if reason is not None:
         pytest.skip(reason)
-    folder = tmp_path_factory.mktemp("ring2")
-    torch.multiprocessing.spawn(_two_gpu_worker, args=(str(folder / "store"), str(folder)), nprocs=WORLD)
-    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    return {case.id: [outcomes[case.id] for outcomes in ranks] for case in TWO_GPU_CASES}
+    folder = tmp_path_factory.mktemp(f"ring{world}")
+    torch.multiprocessing.spawn(_ring_worker, args=(world, str(folder / "store"), str(folder)), nprocs=world)
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+    return {case.id: [outcomes[case.id] for outcomes in ranks] for case in RING_CASES}
 
 
-@pytest.mark.parametrize("case", TWO_GPU_CASES, ids=lambda case: case.id)
-def test_two_gpus(case, two_gpu_outcomes):
-    """The function over two GPUs, each rank's out, lse, dq, dk and dv against the whole sequences' reference."""
-    failures = [f for f in two_gpu_outcomes[case.id] if f is not None]
+@pytest.mark.parametrize("case", RING_CASES, ids=lambda case: case.id)
+def test_ring_over_gpus(case, ring_outcomes):
+    """The function over several GPUs, each rank's out, lse, dq, dk and dv against the whole sequences' reference."""
+    failures = [f for f in ring_outcomes[case.id] if f is not None]
     assert not failures, "\n".join(failures)

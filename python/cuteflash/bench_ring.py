@@ -81,13 +81,13 @@ def zigzag_positions(lengths, rank: int, world: int):
     return shard_positions(lengths, 2 * world, [rank, 2 * world - 1 - rank])
 
 
-def why_not() -> str | None:
-    """Why the suite cannot run here, or None."""
+def why_not(world: int = WORLD) -> str | None:
+    """Why the suite (or a test at this world size) cannot run here, or None."""
     import torch
     import torch.distributed as dist
 
-    if torch.cuda.device_count() < WORLD:
-        return f"needs {WORLD} GPUs, {torch.cuda.device_count()} visible"
+    if torch.cuda.device_count() < world:
+        return f"needs {world} GPUs, {torch.cuda.device_count()} visible"
     if not dist.is_available() or not dist.is_nccl_available():
         return "torch.distributed has no NCCL"
     if import_ring_flash_attn() is None:
