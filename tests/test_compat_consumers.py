@@ -62,6 +62,22 @@ CONSUMERS = [
         "from flash_attn.layers.rotary import RotaryEmbedding",
     ),
     (
+        "nanotron",
+        "src/nanotron/nn/layer_norm.py",
+        "from flash_attn.ops.triton.layer_norm import layer_norm_fn",
+    ),
+    (
+        "verl",
+        "verl/utils/torch_functional.py",
+        "from flash_attn.ops.triton.cross_entropy import cross_entropy_loss",
+    ),
+    (
+        "LLM training scripts (TinyLlama, composer models)",
+        "pretrain scripts",
+        "from flash_attn.losses.cross_entropy import CrossEntropyLoss\n"
+        "from flash_attn.ops.triton.layer_norm import RMSNorm, rms_norm_fn",
+    ),
+    (
         "flash-attn 2.8.3's own tests",
         "tests/test_flash_attn.py",
         "from flash_attn.bert_padding import pad_input, unpad_input\n"

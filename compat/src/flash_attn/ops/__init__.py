@@ -1,1 +1,1 @@
-"""flash-attn's flash_attn.ops: the rotary op (flash_attn.ops.triton.rotary)."""
+"""flash-attn's flash_attn.ops: the Triton ops (flash_attn.ops.triton: rotary, layer_norm, cross_entropy)."""

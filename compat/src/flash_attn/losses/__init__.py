@@ -1,0 +1,1 @@
+"""flash-attn's flash_attn.losses: the cross-entropy loss module."""
