@@ -40,6 +40,7 @@ SUITES = {
     "decode": [],  # DECODE_SHAPES only
     "latency": [],  # LATENCY_SHAPES only
     "ring": [],  # bench_ring.py: context parallelism over two GPUs (ring-flash-attn)
+    "ops": [],  # bench_ops.py: the fused norms and cross-entropy beside the PyTorch composition
 }
 QUICK_SHAPES = [(1, 4, 256, 64), (1, 16, 1024, 128)]
 # Variable-length batches (flash_attn_varlen_func), causal. "mixed": lengths drawn uniformly from 128-4096 up
@@ -916,6 +917,13 @@ def main(argv=None) -> int:
         return 2
     import os
 
+    if args.suite == "ops":
+        from . import bench_ops
+
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+        for title, rows in bench_ops.tables(args, _time_ms):
+            print("\n" + format_rows(title, rows))
+        return 0
     if args.backend != "auto":
         os.environ["CUTEFLASH_BACKEND"] = args.backend
     from ._lib import build_info, select_family
