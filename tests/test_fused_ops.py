@@ -239,3 +239,18 @@ def test_cross_entropy_vocabulary_split_over_two_processes(tmp_path):
         torch.testing.assert_close(torch.tensor(got["z"], dtype=torch.float64), ref_z, rtol=1e-5, atol=1e-6)
         half = ref_grad[:, rank * 300 : (rank + 1) * 300]
         torch.testing.assert_close(torch.tensor(got["grad"], dtype=torch.float64), half, rtol=1e-4, atol=1e-6)
+
+
+def test_norm_gradient_through_one_output():
+    """Gradients through y alone, or through residual_out alone (the other output unused: its gradient is None)."""
+    x, residual = (torch.randn(4, 48, device=DEVICE, dtype=torch.float64).float().requires_grad_() for _ in range(2))
+    w = (torch.rand(48, device=DEVICE) + 0.5).requires_grad_()
+    y, r = layer_norm_fn(x, w, None, residual=residual, prenorm=True, is_rms_norm=True)
+    got = torch.autograd.grad(y.sum(), (x, residual, w))
+    want = torch.autograd.grad(F.rms_norm(x + residual, (48,), w, 1e-6).sum(), (x, residual, w))
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)
+    y, r = layer_norm_fn(x, w, None, residual=residual, prenorm=True, is_rms_norm=True)
+    dx, dres, dw = torch.autograd.grad((2 * r).sum(), (x, residual, w), allow_unused=True)
+    assert torch.equal(dx, torch.full_like(x, 2.0)) and torch.equal(dres, dx)
+    assert dw is None or not dw.any()

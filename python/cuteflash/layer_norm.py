@@ -152,6 +152,7 @@ class LayerNormFn(torch.autograd.Function):
                     ZERO_CENTERED=zero_centered_weight, BLOCK=block, num_warps=_warps(block),
                 )  # fmt: skip
         ctx.save_for_backward(residual_out, weight, bias, weight1, bias1, rowscale, mean, rstd)
+        ctx.set_materialize_grads(False)
         ctx.shape, ctx.x_dtype, ctx.drop, ctx.block = shape, x.dtype, drop, block
         ctx.flags = (is_rms_norm, residual is not None, x1 is not None, prenorm, zero_centered_weight)
         result = [y.reshape(shape)]
@@ -171,7 +172,8 @@ class LayerNormFn(torch.autograd.Function):
         x, weight, bias, weight1, bias1, rowscale, mean, rstd = ctx.saved_tensors
         is_rms_norm, has_residual, has_x1, prenorm, zero_centered = ctx.flags
         shape, n, rows = ctx.shape, ctx.shape[-1], x.shape[0]
-        dy = _rows("dy", dy, shape)
+        # (gradients of unused outputs arrive as None: no zeros are written or read for an unused residual_out)
+        dy = _rows("dy", dy, shape) if dy is not None else torch.zeros((rows, n), dtype=ctx.x_dtype, device=x.device)
         dy1 = _rows("dy1", grads[0], shape) if weight1 is not None else None
         if dy1 is None and weight1 is not None:
             dy1 = torch.zeros_like(dy)
