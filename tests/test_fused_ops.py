@@ -254,3 +254,37 @@ def test_norm_gradient_through_one_output():
     dx, dres, dw = torch.autograd.grad((2 * r).sum(), (x, residual, w), allow_unused=True)
     assert torch.equal(dx, torch.full_like(x, 2.0)) and torch.equal(dres, dx)
     assert dw is None or not dw.any()
+
+
+@pytest.mark.parametrize("layout", ["fixed", "varlen"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_rotary_kernel_matches_the_composition(dtype, interleaved, layout):
+    """cuteflash.rotary's Triton kernel (fp16/bf16/fp32) against its float64 composition: a partial rotary_dim,
+    positions past the table (offsets 5 and 9 with a table of 12 rows), in place and not, and the gradient (the
+    conjugate rotation)."""
+    from cuteflash.rotary import apply_rotary, apply_rotary_emb
+
+    torch.manual_seed(3)
+    cos, sin = (f(torch.rand(12, 6, device=DEVICE) * 6) for f in (torch.cos, torch.sin))
+    if layout == "fixed":
+        x = torch.randn(2, 7, 3, 20, device=DEVICE)
+        kwargs = dict(seqlen_offsets=torch.tensor([5, 0], device=DEVICE, dtype=torch.int32))
+    else:
+        x = torch.randn(11, 3, 20, device=DEVICE)
+        kwargs = dict(seqlen_offsets=torch.tensor([9, 1], device=DEVICE, dtype=torch.int32),
+                      cu_seqlens=torch.tensor([0, 4, 11], device=DEVICE, dtype=torch.int32), max_seqlen=7)  # fmt: skip
+    x = x.to(dtype)
+    ref = apply_rotary_emb(x.double(), cos.double(), sin.double(), interleaved, **kwargs)
+    leaf = x.clone().requires_grad_()
+    out = apply_rotary_emb(leaf, cos, sin, interleaved, **kwargs)
+    assert out.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    inplace = x.clone()
+    assert apply_rotary_emb(inplace, cos, sin, interleaved, inplace=True, **kwargs) is inplace
+    assert torch.equal(inplace, out.detach())
+    dout = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, leaf, dout)
+    back = apply_rotary(dout.double(), cos.double(), sin.double(), interleaved=interleaved, conjugate=True, **kwargs)
+    torch.testing.assert_close(grad.double(), back, rtol=tol, atol=tol)

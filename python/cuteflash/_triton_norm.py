@@ -188,3 +188,40 @@ def xent_bwd(
     p -= smoothing / total_classes
     p = tl.where(cols == label - first_class, p - (1.0 - smoothing), p)
     tl.store(DLOGITS + row * stride_d + cols, p * (dloss * scale), mask=inside)
+
+
+@triton.jit
+def rotary(
+    X, OUT, COS, SIN, POS,  # X, OUT: (tokens, heads, headdim) with strides; COS, SIN: (rows, half); POS: (tokens,)
+    stride_xt, stride_xh, stride_ot, stride_oh, stride_cs, heads, headdim, half, table_rows,
+    INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr, COPY_TAIL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    k = tl.arange(0, BLOCK_K)
+    pos = tl.load(POS + token)
+    inside = pos < table_rows
+    row = tl.where(inside, pos, 0)
+    c = tl.load(COS + row * stride_cs + k, mask=k < half, other=1.0).to(tl.float32)
+    s = tl.load(SIN + row * stride_cs + k, mask=k < half, other=0.0).to(tl.float32)
+    c = tl.where(inside, c, 1.0)
+    s = tl.where(inside, s, 0.0)
+    if CONJUGATE:
+        s = -s
+    heads_in = (h < heads)[:, None]
+    both = heads_in & (k < half)[None, :]
+    x_row = X + token * stride_xt + h[:, None] * stride_xh
+    o_row = OUT + token * stride_ot + h[:, None] * stride_oh
+    if INTERLEAVED:
+        first, second = 2 * k[None, :], 2 * k[None, :] + 1
+    else:
+        first, second = k[None, :], k[None, :] + half
+    x1 = tl.load(x_row + first, mask=both, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + second, mask=both, other=0.0).to(tl.float32)
+    tl.store(o_row + first, x1 * c[None, :] - x2 * s[None, :], mask=both)
+    tl.store(o_row + second, x2 * c[None, :] + x1 * s[None, :], mask=both)
+    if COPY_TAIL:  # the features past rotary_dim, unchanged
+        t = 2 * half + tl.arange(0, BLOCK_TAIL)[None, :]
+        tail = heads_in & (t < headdim)
+        tl.store(o_row + t, tl.load(x_row + t, mask=tail, other=0.0), mask=tail)

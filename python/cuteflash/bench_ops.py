@@ -73,6 +73,27 @@ def _xent_rows(args, time_ms) -> list[list[str]]:
     return rows
 
 
+def _rotary_rows(args, time_ms) -> list[list[str]]:
+    import torch
+
+    from . import rotary
+
+    rows = []
+    for batch, seqlen, heads, d in ((8, 4096, 32, 128), (1, 32768, 8, 64)):
+        x = torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16)
+        angles = torch.rand(seqlen, d // 2, device="cuda") * 6
+        cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+        ours = partial(rotary.apply_rotary_emb, x, cos, sin)
+        composed = partial(rotary._composed, x, cos, sin, False, False, 0, None)
+        rows.append(
+            [
+                f"rotary, {batch}x{seqlen}x{heads}x{d}",
+                *_fwd_bwd(ours, composed, [x], torch.randn_like(x), args, time_ms),
+            ]
+        )
+    return rows
+
+
 def _fwd_bwd(ours, composed, params, dy, args, time_ms) -> list[str]:
     """The forward and forward + backward milliseconds of both, and the speedups."""
     import torch
@@ -104,4 +125,9 @@ def tables(args, time_ms) -> list[tuple[str, list[list[str]]]]:
     head = ["op, shape (bf16)", "fwd ms", "torch fwd ms", "x torch", "fwd+bwd ms", "torch fwd+bwd ms", "x torch"]
     norms = "Fused norms (prenorm, residual) beside x + residual then F.rms_norm / F.layer_norm"
     xent = "Cross-entropy beside F.cross_entropy (+ the z-loss composed)"
-    return [(norms, [head, *_norm_rows(args, time_ms)]), (xent, [head, *_xent_rows(args, time_ms)])]
+    rope = "Rotary embedding (apply_rotary_emb, GPT-NeoX halves) beside the same rotation in torch operations"
+    return [
+        (norms, [head, *_norm_rows(args, time_ms)]),
+        (xent, [head, *_xent_rows(args, time_ms)]),
+        (rope, [head, *_rotary_rows(args, time_ms)]),
+    ]

@@ -1,5 +1,7 @@
-"""Rotary position embeddings (RoPE) with flash-attn's `apply_rotary_emb` name, signature and semantics. Pure
-torch: any device (Volta included), any floating dtype, autograd.
+"""Rotary position embeddings (RoPE) with flash-attn's `apply_rotary_emb` name, signature and semantics, autograd
+included. fp16, bf16 and fp32 tensors on a CUDA device run a Triton kernel (one pass over x, the backward pass the
+conjugate rotation; cuteflash/_triton_norm.py); other dtypes and devices, and cos/sin that want a gradient, run
+the same rotation in torch operations.
 
     q = apply_rotary_emb(q, cos, sin, interleaved=False, seqlen_offsets=cache_seqlens)
 
@@ -9,6 +11,8 @@ their last row is left unrotated, as in flash-attn. The rotation is computed in 
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -78,6 +82,14 @@ def apply_rotary_emb(
     """
     del max_seqlen  # flash-attn's kernels size their grid with it; here every row is found from cu_seqlens
     _check(x, cos, sin, seqlen_offsets, cu_seqlens)
+    if _fused_ok(x, cos, sin, inplace):
+        positions = _positions(x, seqlen_offsets, cu_seqlens).reshape(-1).contiguous()
+        return _Rotate.apply(x, cos, sin, positions, interleaved, inplace, False)
+    return _composed(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens)
+
+
+def _composed(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens) -> torch.Tensor:
+    """apply_rotary_emb in torch operations: float64, cos and sin that want a gradient, other devices."""
     half = cos.shape[1]
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     positions = _positions(x, seqlen_offsets, cu_seqlens)
@@ -97,6 +109,68 @@ def apply_rotary_emb(
         x[..., : 2 * half] = out
         return x
     return torch.cat((out, x[..., 2 * half :]), dim=-1)
+
+
+def _fused_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool) -> bool:
+    """Whether the Triton kernel takes the call: fp16, bf16 or fp32 on a CUDA device (or the CPU in Triton's
+    interpreter), a unit last stride, tokens that one stride steps through (in place: without a copy), and no
+    gradient wanted for cos and sin (the kernel gives none; the composition does)."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(-1) != 1:
+        return False
+    if not (x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
+        return False
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        return False
+    if inplace and x.dim() == 4 and x.stride(0) != x.shape[1] * x.stride(1):
+        return False
+    try:
+        from . import _triton_norm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _rotate(x, cos, sin, positions, interleaved: bool, inplace: bool, conjugate: bool) -> torch.Tensor:
+    """The Triton kernel's rotation of x (..., nheads, headdim) at these positions (one per token)."""
+    from . import _triton_norm as kernels
+    from .layer_norm import _on
+
+    tokens = x.reshape(-1, *x.shape[-2:])  # a view wherever _fused_ok let an in-place call through
+    out = tokens if inplace else torch.empty_like(tokens)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    heads, headdim = tokens.shape[1:]
+    half = cos.shape[1]
+    block_k = kernels.triton.next_power_of_2(half)
+    block_h = min(kernels.triton.next_power_of_2(heads), max(1, 2048 // block_k))
+    if tokens.shape[0] and heads:
+        with _on(x.device):
+            kernels.rotary[(tokens.shape[0], -(-heads // block_h))](
+                tokens, out, cos, sin, positions, tokens.stride(0), tokens.stride(1), out.stride(0), out.stride(1),
+                cos.stride(0), heads, headdim, half, cos.shape[0], INTERLEAVED=interleaved, CONJUGATE=conjugate,
+                COPY_TAIL=not inplace and headdim > 2 * half, BLOCK_H=block_h, BLOCK_K=block_k,
+                BLOCK_TAIL=kernels.triton.next_power_of_2(max(headdim - 2 * half, 1)), num_warps=4,
+            )  # fmt: skip
+    return x if inplace else out.view(x.shape)
+
+
+class _Rotate(torch.autograd.Function):
+    """The fused rotation, with its backward pass: the gradient rotated back (the conjugate rotation)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, positions, interleaved, inplace, conjugate):
+        out = _rotate(x, cos, sin, positions, interleaved, inplace, conjugate)
+        if inplace:
+            ctx.mark_dirty(x)
+        ctx.save_for_backward(cos, sin, positions)
+        ctx.flags = (interleaved, conjugate)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin, positions = ctx.saved_tensors
+        interleaved, conjugate = ctx.flags
+        grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+        return _rotate(grad, cos, sin, positions, interleaved, False, not conjugate), *(None,) * 6
 
 
 def apply_rotary(
