@@ -192,15 +192,21 @@ def xent_bwd(
 
 @triton.jit
 def rotary(
-    X, OUT, COS, SIN, POS,  # X, OUT: (tokens, heads, headdim) with strides; COS, SIN: (rows, half); POS: (tokens,)
-    stride_xt, stride_xh, stride_ot, stride_oh, stride_cs, heads, headdim, half, table_rows,
-    INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr, COPY_TAIL: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    X, OUT, COS, SIN, POS, OFFSETS,  # X, OUT: (tokens, heads, headdim) with strides; COS, SIN: (rows, half)
+    stride_xt, stride_xh, stride_ot, stride_oh, stride_cs, heads, headdim, half, table_rows, seqlen, offset,
+    GIVEN_POS: tl.constexpr, HAS_OFFSETS: tl.constexpr, INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
+    COPY_TAIL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TAIL: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     k = tl.arange(0, BLOCK_K)
-    pos = tl.load(POS + token)
+    if GIVEN_POS:  # each token's position, computed by the caller (variable-length batches)
+        pos = tl.load(POS + token)
+    else:  # token = sequence * seqlen + index, at index + the sequence's offset
+        sequence = token // seqlen
+        pos = token - sequence * seqlen + offset
+        if HAS_OFFSETS:
+            pos += tl.load(OFFSETS + sequence)
     inside = pos < table_rows
     row = tl.where(inside, pos, 0)
     c = tl.load(COS + row * stride_cs + k, mask=k < half, other=1.0).to(tl.float32)

@@ -83,8 +83,13 @@ def apply_rotary_emb(
     del max_seqlen  # flash-attn's kernels size their grid with it; here every row is found from cu_seqlens
     _check(x, cos, sin, seqlen_offsets, cu_seqlens)
     if _fused_ok(x, cos, sin, inplace):
-        positions = _positions(x, seqlen_offsets, cu_seqlens).reshape(-1).contiguous()
-        return _Rotate.apply(x, cos, sin, positions, interleaved, inplace, False)
+        if cu_seqlens is None:  # the kernel finds each token's position from its index
+            given = isinstance(seqlen_offsets, torch.Tensor)
+            offsets = seqlen_offsets.to(device=x.device).contiguous() if given else None
+            where = (None, x.shape[1], offsets, 0 if given else int(seqlen_offsets))
+        else:
+            where = (_positions(x, seqlen_offsets, cu_seqlens).reshape(-1).contiguous(), 1, None, 0)
+        return _Rotate.apply(x, cos, sin, where, interleaved, inplace, False)
     return _composed(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens)
 
 
@@ -130,8 +135,11 @@ def _fused_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bo
     return True
 
 
-def _rotate(x, cos, sin, positions, interleaved: bool, inplace: bool, conjugate: bool) -> torch.Tensor:
-    """The Triton kernel's rotation of x (..., nheads, headdim) at these positions (one per token)."""
+def _rotate(x, cos, sin, where, interleaved: bool, inplace: bool, conjugate: bool) -> torch.Tensor:
+    """The Triton kernel's rotation of x (..., nheads, headdim). where: (positions, seqlen, offsets, offset): each
+    token's position (a tensor), or None and the tokens' sequence length with the sequences' offsets (a tensor, or
+    None and one int for all)."""
+    positions, seqlen, offsets, offset = where
     from . import _triton_norm as kernels
     from .layer_norm import _on
 
@@ -145,9 +153,10 @@ def _rotate(x, cos, sin, positions, interleaved: bool, inplace: bool, conjugate:
     if tokens.shape[0] and heads:
         with _on(x.device):
             kernels.rotary[(tokens.shape[0], -(-heads // block_h))](
-                tokens, out, cos, sin, positions, tokens.stride(0), tokens.stride(1), out.stride(0), out.stride(1),
-                cos.stride(0), heads, headdim, half, cos.shape[0], INTERLEAVED=interleaved, CONJUGATE=conjugate,
-                COPY_TAIL=not inplace and headdim > 2 * half, BLOCK_H=block_h, BLOCK_K=block_k,
+                tokens, out, cos, sin, positions, offsets, tokens.stride(0), tokens.stride(1), out.stride(0),
+                out.stride(1), cos.stride(0), heads, headdim, half, cos.shape[0], seqlen, offset,
+                GIVEN_POS=positions is not None, HAS_OFFSETS=offsets is not None, INTERLEAVED=interleaved,
+                CONJUGATE=conjugate, COPY_TAIL=not inplace and headdim > 2 * half, BLOCK_H=block_h, BLOCK_K=block_k,
                 BLOCK_TAIL=kernels.triton.next_power_of_2(max(headdim - 2 * half, 1)), num_warps=4,
             )  # fmt: skip
     return x if inplace else out.view(x.shape)
@@ -157,20 +166,19 @@ class _Rotate(torch.autograd.Function):
     """The fused rotation, with its backward pass: the gradient rotated back (the conjugate rotation)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, positions, interleaved, inplace, conjugate):
-        out = _rotate(x, cos, sin, positions, interleaved, inplace, conjugate)
+    def forward(ctx, x, cos, sin, where, interleaved, inplace, conjugate):
+        out = _rotate(x, cos, sin, where, interleaved, inplace, conjugate)
         if inplace:
             ctx.mark_dirty(x)
-        ctx.save_for_backward(cos, sin, positions)
+        ctx.cos, ctx.sin, ctx.where = cos, sin, where  # (not saved tensors: none of them is an output or gets a grad)
         ctx.flags = (interleaved, conjugate)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        cos, sin, positions = ctx.saved_tensors
         interleaved, conjugate = ctx.flags
         grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-        return _rotate(grad, cos, sin, positions, interleaved, False, not conjugate), *(None,) * 6
+        return _rotate(grad, ctx.cos, ctx.sin, ctx.where, interleaved, False, not conjugate), *(None,) * 6
 
 
 def apply_rotary(
