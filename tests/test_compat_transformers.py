@@ -97,12 +97,13 @@ def assert_norm_2x(name: str, ours: torch.Tensor, reference: torch.Tensor, peer:
     assert err <= 2 * peer_err + 1e-5, f"{name}: error norm {err:.3e} > 2 x sdpa's {peer_err:.3e} + 1e-5"
 
 
-def check_model(path, dtype, inputs: dict, labels: torch.Tensor, valid: torch.Tensor):
-    """The logits of the model in dtype, and TRAIN_STEPS training steps in mixed precision, of IMPLEMENTATION
+def check_model(path, dtype, inputs: dict, labels: torch.Tensor, valid: torch.Tensor, implementation=IMPLEMENTATION):
+    """The logits of the model in dtype, and TRAIN_STEPS training steps in mixed precision, of `implementation`
     against sdpa, at the positions `valid` (bool, (batch, seqlen))."""
+    ours = implementation
     runs = {}
     for name, implementation, model_dtype in (
-        ("ours", IMPLEMENTATION, dtype),
+        ("ours", ours, dtype),
         ("peer", "sdpa", dtype),
         ("reference", "sdpa", torch.float64),
     ):
@@ -113,7 +114,7 @@ def check_model(path, dtype, inputs: dict, labels: torch.Tensor, valid: torch.Te
     trained = {
         name: train(load(path, implementation, model_dtype), inputs, labels, autocast_dtype)
         for name, implementation, model_dtype, autocast_dtype in (
-            ("ours", IMPLEMENTATION, torch.float32, dtype),
+            ("ours", ours, torch.float32, dtype),
             ("peer", "sdpa", torch.float32, dtype),
             ("reference", "sdpa", torch.float64, None),
         )
