@@ -185,24 +185,34 @@ def test_peers_choose_the_backends_timed(capsys):
 
 
 def fake_ring_result(dk_err=1e-3):
-    step = {"function": "zigzag_ring_flash_attn_func", "causal": True, "tokens_per_gpu": 8192}
-    step.update({"one_gpu_ms": 2.0, "two_gpus_ms": 4.2, "flash_attn_func_all_tokens_ms": 8.0})
-    long = {"tokens": 131072, "heads": 8, "head_dim": 128, "two_gpus_ms": 500.0, "peak_gib_per_gpu": 1.5}
+    weak = {"function": "zigzag_ring_flash_attn_func", "causal": True, "tokens": 8192}
+    weak["ms"] = {"1": 2.0, "2": 4.2, "4": 8.0}
+    strong = {
+        "function": "ring_flash_attn_func",
+        "causal": False,
+        "tokens": 65536,
+        "ms": {"1": 40.0, "2": 25.0, "4": 10.0},
+    }
+    long = {"tokens": 131072, "heads": 8, "head_dim": 128, "world": 4, "ms": 500.0, "peak_gib_per_gpu": 1.5}
+    long.update({"shard_gib_per_gpu": 0.5, "total_gib_per_gpu": 80.0})
     long["math_backend_one_gpu"] = "CUDA out of memory. Tried to allocate 256.00 GiB"
     long["errors"] = {"out": [1e-3, 1e-3], "dk": [dk_err, 1e-3]}
-    return {"steps": [step], "long": long}
+    return {"world": 4, "weak": [weak], "strong": [strong], "long": long}
 
 
 def test_ring_suite_tables_and_verdict():
     from cuteflash import bench_ring
 
-    (_, steps), (long_title, long) = bench_ring.tables(fake_ring_result())
-    assert steps[1][3:] == ["2.00", "4.20", "2.10", "8.00"]  # 1 GPU, 2 GPUs, their ratio, all tokens on 1 GPU
-    assert "256.00 GiB" in long_title and [row[-1] for row in long[1:]] == ["ok", "ok"]
+    (_, weak), (_, strong), (long_title, long) = bench_ring.tables(fake_ring_result())
+    assert weak[0][3:] == ["1 GPU ms", "2 GPUs ms (eff.)", "4 GPUs ms (eff.)"]
+    assert weak[1][3:] == ["2.00", "4.20 (0.95)", "8.00 (1.00)"]  # efficiency: W x 2.0 / t_W
+    assert strong[1][3:] == ["40.00", "25.00 (0.80)", "10.00 (1.00)"]  # efficiency: 40 / (W t_W)
+    assert "256.00 GiB" in long_title and "5.2M tokens" in long_title  # 131072 x 80 / (1.5 + 0.5)
+    assert [row[-1] for row in long[1:]] == ["ok", "ok"]
     assert long[1][3] == "PyTorch bf16" and long[2][3] == "flash_attn_func, 1 GPU"
     assert bench_ring.passed(fake_ring_result(dk_err=2.005e-3))  # within 2 x 1e-3 + 1e-5
     assert not bench_ring.passed(fake_ring_result(dk_err=2.02e-3))
-    assert bench_ring.tables(fake_ring_result(dk_err=2.02e-3))[1][1][2][-1] == "FAILED"
+    assert bench_ring.tables(fake_ring_result(dk_err=2.02e-3))[2][1][2][-1] == "FAILED"
 
 
 def test_ring_suite_shards_and_needs(monkeypatch):

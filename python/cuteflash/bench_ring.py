@@ -1,31 +1,38 @@
-"""The ring suite of ``python -m cuteflash.bench``: context parallelism over two GPUs with ring-flash-attn (the library
-axolotl uses for sequence parallelism) on the flash-attn compatibility package, with nothing of cuteflash's own for
-the communication (torch.distributed, NCCL).
+"""The ring suite of ``python -m cuteflash.bench``: context parallelism over the visible GPUs (2 to 8) with
+ring-flash-attn (the library axolotl uses for sequence parallelism) on the flash-attn compatibility package, with
+nothing of cuteflash's own for the communication (torch.distributed, NCCL).
 
-- One training step (forward + backward) of zigzag_ring_flash_attn_func (causal) and ring_flash_attn_func (full)
-  with the same tokens per GPU on one GPU (a process group of one) and on two (twice the tokens), beside
-  flash_attn_func on all the tokens on one GPU.
+- Weak scaling: one training step (forward + backward) of zigzag_ring_flash_attn_func (causal) and
+  ring_flash_attn_func (full) with the same tokens per GPU on 1, 2, 4 (8) GPUs. Each GPU's queries attend to W
+  times the keys on W GPUs, so the ideal step time is W times one GPU's: the efficiency is W * t_1 / t_W (1.0:
+  the communication is hidden, and no time is lost to the ring).
+- Strong scaling: a fixed sequence over 1, 2, 4 (8) GPUs; the ideal is t_1 / W, the efficiency t_1 / (W * t_W).
 - A sequence whose score matrix does not fit one GPU (SDPA's math backend runs out of memory on it), split across
-  two with the zigzag function: its step time, its peak memory per GPU, and its outputs and gradients against a
-  float64 reference computed in blocks of queries. out, lse and dq are held to the 2x rule against PyTorch's
-  attention in bf16 (also in blocks: each row is computed as on the whole sequence); dk and dv, which sum over every
-  query, against flash_attn_func on the whole sequence on one GPU.
+  every GPU with the zigzag function: its step time, its peak memory per GPU (and the longest sequence that memory
+  would allow, extrapolated), and its outputs and gradients against a float64 reference computed in blocks of
+  queries. out, lse and dq are held to the 2x rule against PyTorch's attention in bf16 (also in blocks: each row is
+  computed as on the whole sequence); dk and dv, which sum over every query, against flash_attn_func on the whole
+  sequence on one GPU.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib
 import importlib.util
+import itertools
 import json
 import os
 import sys
 import tempfile
 import types
 
-WORLD = 2
+WORLD = 2  # the fewest GPUs the suite runs on; it uses every visible one, up to MAX_WORLD
+MAX_WORLD = 8
 STEP_ROWS = [("zigzag_ring_flash_attn_func", True), ("ring_flash_attn_func", False)]  # (function, causal)
-STEP_TOKENS = (8192, 32768)  # per GPU, one sequence
+STEP_TOKENS = (8192, 32768)  # per GPU, one sequence (weak scaling)
+STRONG_TOKENS = 65536  # one sequence over 1 to W GPUs (strong scaling)
 STEP_HEADS, STEP_HEAD_DIM = 32, 128
 # The math backend's scores of this sequence take 8 * 131072^2 * 2 bytes = 256 GiB; cuteflash's kernels need O(N).
 LONG_TOKENS, LONG_HEADS, LONG_HEAD_DIM = 131072, 8, 128
@@ -133,31 +140,47 @@ def _training_step(fn, tokens: int, heads: int, head_dim: int, **kwargs):
     return step
 
 
-def _step_rows(ring, rank: int, solo, repeats: int) -> list[dict]:
-    """STEP_ROWS x STEP_TOKENS: ms of a step on one GPU, on two, and of flash_attn_func on all tokens on one."""
+def world_sizes(world: int) -> list[int]:
+    """1, 2, 4, ... up to world: the GPU counts a scaling table has."""
+    return [w for w in (1, 2, 4, 8) if w <= world]
+
+
+def _group_ms(step_of, rank: int, size: int, group, repeats: int) -> float:
+    """Milliseconds of a step on the first `size` ranks (group), the slowest of them; the other ranks wait. step_of()
+    builds the step on a rank of the group."""
     import torch
     import torch.distributed as dist
 
-    from . import flash_attn_func
+    ms = torch.zeros((), device="cuda")
+    dist.barrier()
+    if rank < size:
+        ms.fill_(_step_ms(step_of(), repeats))
+        torch.cuda.empty_cache()
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # a step ends when its slowest GPU does
+    return ms.item()
 
-    rows = []
+
+def _scaling_rows(ring, rank: int, groups: dict, repeats: int) -> dict:
+    """{"weak": [...], "strong": [...]}: STEP_ROWS at STEP_TOKENS per GPU on each group size, and STEP_ROWS at
+    STRONG_TOKENS in all on each group size; ms per step by GPU count."""
+    shape = (STEP_HEADS, STEP_HEAD_DIM)
+    result = {"weak": [], "strong": []}
+    for (name, causal), (size, group) in itertools.product(STEP_ROWS, groups.items()):  # NCCL's connections, set up
+        fn = getattr(ring, name)
+        step_of = functools.partial(_training_step, fn, 1024, *shape, causal=causal, group=group)
+        _group_ms(step_of, rank, size, group, 1)
     for name, causal in STEP_ROWS:
         fn = getattr(ring, name)
-        for tokens in STEP_TOKENS:
-            row = {"function": name, "causal": causal, "tokens_per_gpu": tokens}
-            shape = (STEP_HEADS, STEP_HEAD_DIM)
-            if rank == 0:
-                row["one_gpu_ms"] = _step_ms(_training_step(fn, tokens, *shape, causal=causal, group=solo), repeats)
-                step = _training_step(flash_attn_func, WORLD * tokens, *shape, causal=causal)
-                row["flash_attn_func_all_tokens_ms"] = _step_ms(step, repeats)
-                torch.cuda.empty_cache()
-            dist.barrier()
-            ms = torch.tensor(_step_ms(_training_step(fn, tokens, *shape, causal=causal), repeats), device="cuda")
-            dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # a step ends when its slowest GPU does
-            row["two_gpus_ms"] = ms.item()
-            rows.append(row)
-            torch.cuda.empty_cache()
-    return rows
+        for kind, sizes in (("weak", STEP_TOKENS), ("strong", (STRONG_TOKENS,))):
+            for tokens in sizes:
+                row = {"function": name, "causal": causal, "tokens": tokens, "ms": {}}
+                for size, group in groups.items():
+                    local = tokens if kind == "weak" else tokens // size
+
+                    step_of = functools.partial(_training_step, fn, local, *shape, causal=causal, group=group)
+                    row["ms"][str(size)] = _group_ms(step_of, rank, size, group, repeats)
+                result[kind].append(row)
+    return result
 
 
 def _blocked_reference(q, k, v, dout, compute_dtype):
@@ -204,7 +227,7 @@ def _math_backend_message(q, k, v) -> str:
         torch.cuda.empty_cache()
 
 
-def _long_sequence(ring, rank: int) -> dict:
+def _long_sequence(ring, rank: int, world: int) -> dict:
     """LONG_TOKENS causal tokens split across the GPUs with zigzag ring attention: its step time, its peak memory per
     GPU, and each output's max error against the float64 reference beside its peer's (PyTorch in bf16 for out, lse and
     dq; flash_attn_func on one GPU for dk and dv), the largest over the ranks' tokens."""
@@ -219,7 +242,7 @@ def _long_sequence(ring, rank: int) -> dict:
     result = {"tokens": LONG_TOKENS, "heads": LONG_HEADS, "head_dim": LONG_HEAD_DIM}
     if rank == 0:
         result["math_backend_one_gpu"] = _math_backend_message(q, k, v)
-    positions = zigzag_positions([LONG_TOKENS], rank, WORLD).cuda()
+    positions = zigzag_positions([LONG_TOKENS], rank, world).cuda()
 
     def mine(t):
         return t.index_select(1, positions)
@@ -237,10 +260,14 @@ def _long_sequence(ring, rank: int) -> dict:
     dist.barrier()
     ms = torch.tensor(_step_ms(step, 3), device="cuda")
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-    result["two_gpus_ms"] = ms.item()
+    result["world"], result["ms"] = world, ms.item()
     peak = torch.tensor((torch.cuda.max_memory_allocated() - base) / 2**30, device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     result["peak_gib_per_gpu"] = peak.item()
+    # what a rank holds of the sequence itself (its shard of q, k, v, dout), beside the step's peak; the whole inputs,
+    # which every rank holds here for the reference, are left out
+    result["shard_gib_per_gpu"] = sum(t.numel() * t.element_size() for t in (*leaves, local_dout)) / 2**30
+    result["total_gib_per_gpu"] = torch.cuda.mem_get_info()[1] / 2**30
     ours = [t.detach() for t in step()]
     torch.cuda.empty_cache()
     one_gpu = [t.requires_grad_() for t in (q.clone(), k.clone(), v.clone())]
@@ -254,24 +281,25 @@ def _long_sequence(ring, rank: int) -> dict:
         pick = (lambda t: t.index_select(-1, positions)) if name == "lse" else mine
         r = pick(r)
         errors[name] = [(got.double() - r).abs().max().item(), (pick(peer).double() - r).abs().max().item()]
-    gathered = [None] * WORLD
+    gathered = [None] * world
     dist.all_gather_object(gathered, errors)
     result["errors"] = {name: [max(e[name][i] for e in gathered) for i in (0, 1)] for name in errors}
     return result
 
 
-def _worker(rank: int, store_path: str, result_path: str, repeats: int) -> None:
+def _worker(rank: int, world: int, store_path: str, result_path: str, repeats: int) -> None:
     """One rank of the suite, on GPU `rank`; rank 0 writes the results to result_path (JSON)."""
     import torch
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=5))
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
     try:
         ring = import_ring_flash_attn()
-        solo = dist.new_group([0])  # rank 0 alone: the functions at world size 1
-        result = {"steps": _step_rows(ring, rank, solo, repeats), "long": _long_sequence(ring, rank)}
+        groups = {size: dist.new_group(list(range(size))) for size in world_sizes(world)}  # every rank creates each
+        result = {"world": world, **_scaling_rows(ring, rank, groups, repeats)}
+        result["long"] = _long_sequence(ring, rank, world)
         if rank == 0:
             with open(result_path, "w") as f:
                 json.dump(result, f)
@@ -280,51 +308,63 @@ def _worker(rank: int, store_path: str, result_path: str, repeats: int) -> None:
 
 
 def run(repeats: int) -> dict:
-    """The suite's results: {"steps": [...], "long": {...}}, from WORLD processes, one a GPU."""
+    """The suite's results: {"world", "weak", "strong", "long"}, from one process a GPU, on every visible GPU (up
+    to MAX_WORLD)."""
     import torch
 
+    world = min(torch.cuda.device_count(), MAX_WORLD)
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "result.json")
-        torch.multiprocessing.spawn(_worker, args=(os.path.join(folder, "store"), path, repeats), nprocs=WORLD)
+        args = (world, os.path.join(folder, "store"), path, repeats)
+        torch.multiprocessing.spawn(_worker, args=args, nprocs=world)
         with open(path) as f:
             return json.load(f)
 
 
+def _scaling_table(rows: list[dict], sizes: list[int], weak: bool) -> list[list[str]]:
+    head = ["function", "mask", "tokens per GPU" if weak else "tokens"]
+    head += [f"{w} GPU{'s' if w > 1 else ''} ms" + ("" if w == 1 else " (eff.)") for w in sizes]
+    table = [head]
+    for r in rows:
+        one = r["ms"]["1"]
+        cells = [r["function"], "causal" if r["causal"] else "full", str(r["tokens"]), f"{one:.2f}"]
+        for w in sizes[1:]:
+            t = r["ms"][str(w)]
+            efficiency = w * one / t if weak else one / (w * t)
+            cells.append(f"{t:.2f} ({efficiency:.2f})")
+        table.append(cells)
+    return table
+
+
 def tables(result: dict) -> list[tuple[str, list[list[str]]]]:
-    """(title, rows) of the two tables."""
-    step_rows = [
-        ["function", "mask", "tokens per GPU", "1 GPU ms", f"{WORLD} GPUs ms", "ratio", "all tokens, 1 GPU ms"]
-    ]
-    for r in result["steps"]:
-        step_rows.append(
-            [
-                r["function"],
-                "causal" if r["causal"] else "full",
-                str(r["tokens_per_gpu"]),
-                f"{r['one_gpu_ms']:.2f}",
-                f"{r['two_gpus_ms']:.2f}",
-                f"{r['two_gpus_ms'] / r['one_gpu_ms']:.2f}",
-                f"{r['flash_attn_func_all_tokens_ms']:.2f}",
-            ]
-        )
+    """(title, rows) of the suite's tables: weak scaling, strong scaling, the long sequence."""
+    sizes = world_sizes(result["world"])
+    shape = f"bf16, {STEP_HEADS} heads of {STEP_HEAD_DIM}, one step (forward + backward)"
+    weak_title = (
+        f"Weak scaling, {shape}: the same tokens per GPU on 1 to {sizes[-1]} GPUs (efficiency: W x the 1-GPU time / "
+        "the W-GPU time; each GPU attends to W times the keys)"
+    )
+    strong_title = f"Strong scaling, {shape}: one sequence over 1 to {sizes[-1]} GPUs (efficiency: t_1 / (W t_W))"
     long = result["long"]
     long_rows = [["output", "max error", "peer's", "peer", "2x rule"]]
     for name, (err, peer_err) in long["errors"].items():
         peer = "PyTorch bf16" if name in ("out", "lse", "dq") else "flash_attn_func, 1 GPU"
         ok = err <= 2 * peer_err + 1e-5
         long_rows.append([name, f"{err:.3e}", f"{peer_err:.3e}", peer, "ok" if ok else "FAILED"])
-    step_title = (
-        f"Ring attention, one step (forward + backward), bf16, {STEP_HEADS} heads of {STEP_HEAD_DIM}: the same tokens "
-        f"per GPU on 1 GPU and on {WORLD} (ratio: {WORLD} GPUs / 1; all tokens: flash_attn_func on {WORLD}x the "
-        "tokens on 1 GPU)"
-    )
+    per_sequence = long["peak_gib_per_gpu"] + long["shard_gib_per_gpu"]  # GiB per GPU for long["tokens"] tokens
+    longest = long["tokens"] * long["total_gib_per_gpu"] / per_sequence
     long_title = (
-        f"{long['tokens']} tokens, causal, bf16, {long['heads']} heads of {long['head_dim']}, "
-        f"zigzag over {WORLD} GPUs: "
-        f"{long['two_gpus_ms']:.1f} ms a step, {long['peak_gib_per_gpu']:.2f} GiB peak per GPU; SDPA math on 1 GPU: "
+        f"{long['tokens']} tokens, causal, bf16, {long['heads']} heads of {long['head_dim']}, zigzag over "
+        f"{long['world']} GPUs: {long['ms']:.1f} ms a step, {long['peak_gib_per_gpu']:.2f} GiB peak per GPU beside its "
+        f"{long['shard_gib_per_gpu']:.2f} GiB shard (the GPUs' memory would hold about {longest / 1e6:.1f}M tokens, "
+        "extrapolated linearly); SDPA math on 1 GPU: "
         f"{long['math_backend_one_gpu']}"
     )
-    return [(step_title, step_rows), (long_title, long_rows)]
+    return [
+        (weak_title, _scaling_table(result["weak"], sizes, True)),
+        (strong_title, _scaling_table(result["strong"], sizes, False)),
+        (long_title, long_rows),
+    ]
 
 
 def passed(result: dict) -> bool:
