@@ -99,17 +99,32 @@ def test_chunk_groups_hold_each_query_with_its_chunk(fa3, chunk):
 
 
 def test_combine_matches_the_merge_written_out(fa3):
+    """FA3's layouts (hopper/flash_api.cpp, mha_combine): out_partial (splits, batch, seqlen, nheads, d), lse_partial
+    (splits, batch, seqlen, nheads); lse (batch, seqlen, nheads)."""
     torch.manual_seed(0)
     out_partial = torch.randn(3, 2, 5, 4, 8)
-    lse_partial = torch.randn(3, 2, 4, 5)
+    lse_partial = torch.randn(3, 2, 5, 4)
     lse_partial[1, 0, 2] = float("-inf")  # a split of no keys for some rows
     out, lse = fa3.flash_attn_combine(out_partial, lse_partial, out_dtype=torch.float16)
     want_lse = torch.logsumexp(lse_partial.double(), 0)
-    weight = torch.exp(lse_partial.double() - want_lse).permute(0, 1, 3, 2)[..., None]
+    weight = torch.exp(lse_partial.double() - want_lse)[..., None]
     want = (weight * out_partial.double()).sum(0)
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
     torch.testing.assert_close(lse.double(), want_lse)
     torch.testing.assert_close(out.double(), want.half().double(), atol=2e-3, rtol=0)
+    with pytest.raises(ValueError, match="lse_partial"):
+        fa3.flash_attn_combine(out_partial, lse_partial.transpose(2, 3))
+
+
+def test_chunk_leftpad_counts_positions_from_the_left_pad(fa3):
+    """A decoding query's first visible row under attention_chunk: the start of its chunk, positions counted from
+    cache_leftpad as FA3 counts them (chunk 4, left pad 2, 9 rows before one new key: the query at row 9 is position
+    7, in chunk [4, 8) of positions, rows 6 to 9)."""
+    q = torch.zeros(2, 1, 1, 8)
+    lengths = torch.tensor([9, 3], dtype=torch.int32)
+    start = fa3._chunk_leftpad(q, None, torch.zeros(2, 1, 1, 8), lengths, torch.tensor([2, 0]), None, 4)
+    assert start.tolist() == [6, 0]
+    assert fa3._chunk_leftpad(q, None, None, lengths, None, None, 4).tolist() == [8, 0]
 
 
 @pytest.fixture(scope="module")

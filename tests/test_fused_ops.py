@@ -121,6 +121,17 @@ def test_norm_writes_into_given_buffers():
     torch.testing.assert_close(y, F.layer_norm(x + residual, (64,), w, b, 1e-6))
 
 
+def test_norm_refuses_buffers_it_cannot_write_in_place():
+    x = torch.randn(4, 6, 32, device=DEVICE)
+    w = torch.ones(32, device=DEVICE)
+    with pytest.raises(ValueError, match="out must have x's shape"):
+        layer_norm_fn(x, w, None, out=torch.empty(24, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be viewable"):
+        layer_norm_fn(x, w, None, out=torch.empty(32, 6, 4, device=DEVICE).permute(2, 1, 0))
+    with pytest.raises(ValueError, match="residual_out must be viewable"):
+        layer_norm_fn(x, w, None, residual=x, residual_out=torch.empty(6, 4, 32, device=DEVICE).transpose(0, 1))
+
+
 def test_norm_modules():
     x, residual = torch.randn(2, 3, 32, device=DEVICE), torch.randn(2, 3, 32, device=DEVICE)
     rms, ln = RMSNorm(32, eps=1e-6, device=DEVICE), LayerNorm(32, eps=1e-6, device=DEVICE)
@@ -198,6 +209,14 @@ def test_cross_entropy_inplace_backward_and_module():
     torch.testing.assert_close(loss, F.cross_entropy(logits, labels, reduction="sum") + z)
     with pytest.raises(NotImplementedError, match="reduction"):
         CrossEntropyLoss(reduction="batchmean")
+    # precomputed_lse is taken where flash-attn takes it (logit_scale 1, no smoothing), and only there
+    from cuteflash.cross_entropy import CrossEntropyLossFn
+
+    wrong = torch.zeros(6, device=DEVICE)
+    torch.testing.assert_close(CrossEntropyLossFn.apply(logits, labels)[0], cross_entropy_loss(logits, labels)[0])
+    assert not torch.equal(cross_entropy_loss(logits, labels, wrong)[0], cross_entropy_loss(logits, labels)[0])
+    scaled = cross_entropy_loss(logits, labels, wrong, logit_scale=2.0)[0]
+    torch.testing.assert_close(scaled, cross_entropy_loss(logits, labels, logit_scale=2.0)[0])
     with pytest.raises(ValueError, match="labels"):
         cross_entropy_loss(logits, labels[:3])
 

@@ -60,8 +60,8 @@ def _refuse(**arguments) -> None:
     for name, value in arguments.items():
         if value is not None:
             raise NotImplementedError(
-                f"{name} is not implemented: cuteflash has no kernel for it yet (FA3's FP8 descaling, qv and "
-                f"seqused_q); pass {name}=None"
+                f"{name} is not implemented in cuteflash's FA3 interface (no kernel takes it yet: FP8 descales, qv, "
+                f"seqused_q; or a KV-cache argument of the op); pass {name}=None"
             )
 
 
@@ -230,12 +230,18 @@ def flash_attn_varlen_func(
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
-    """Merges attention computed over splits of the keys: out_partial (num_splits, batch, seqlen, nheads, headdim)
-    and lse_partial (num_splits, batch, nheads, seqlen), fp32, into (out (batch, seqlen, nheads, headdim) in
-    out_dtype (default out_partial's), lse (batch, nheads, seqlen)); a split of no keys (lse -inf) adds nothing."""
+    """Merges attention computed over splits of the keys, FA3's layouts: out_partial (num_splits, batch, seqlen,
+    nheads, headdim) and lse_partial (num_splits, batch, seqlen, nheads), fp32, into (out (batch, seqlen, nheads,
+    headdim) in out_dtype (default out_partial's), lse (batch, seqlen, nheads)); a split of no keys (lse -inf) adds
+    nothing."""
+    if out_partial.dim() != 5 or lse_partial.shape != out_partial.shape[:4]:
+        raise ValueError(
+            "out_partial must be (num_splits, batch, seqlen, nheads, headdim) and lse_partial (num_splits, batch, "
+            f"seqlen, nheads); got {tuple(out_partial.shape)} and {tuple(lse_partial.shape)}"
+        )
     lse = torch.logsumexp(lse_partial, dim=0)
-    weight = torch.exp(lse_partial - lse).nan_to_num_(0.0, 0.0, 0.0)  # (splits, batch, nheads, seqlen)
-    merged = torch.einsum("sbhl,sblhd->blhd", weight, out_partial.float())
+    weight = torch.exp(lse_partial - lse).nan_to_num_(0.0, 0.0, 0.0)  # (splits, batch, seqlen, nheads)
+    merged = torch.einsum("sblh,sblhd->blhd", weight, out_partial.float())
     merged = merged.to(out_dtype or out_partial.dtype)
     if out is not None:
         out.copy_(merged)
@@ -298,20 +304,18 @@ def flash_attn_with_kvcache(
 
 
 def _chunk_leftpad(q, k_cache, k, cache_seqlens, cache_leftpad, page_table, chunk: int) -> torch.Tensor:
-    """The first cache row a decoding query sees under attention_chunk: the start of its position's chunk (its
-    position: the keys before it, new ones included, at cache_seqlens + seqlen_new - 1), or cache_leftpad where
-    that is later."""
+    """The first cache row a decoding query sees under attention_chunk: the start of its position's chunk. Positions
+    count from the sequence's first row (cache_leftpad, as in FA3); the query's is that of the last key, at row
+    cache_seqlens + seqlen_new - 1."""
     batch = q.shape[0]
     new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
         cache_seqlens = _ops.cache_rows(k_cache, page_table)
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    position = cache_seqlens.long() + new - 1
-    start = (position.clamp(min=0) // chunk) * chunk
-    if cache_leftpad is not None:
-        start = torch.maximum(start, cache_leftpad.long())
-    return start.int()
+    first = 0 if cache_leftpad is None else cache_leftpad.long()
+    position = (cache_seqlens.long() + new - 1 - first).clamp(min=0)
+    return (first + position // chunk * chunk).int()
 
 
 def get_scheduler_metadata(
@@ -379,14 +383,19 @@ def _flash_attn_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA3's forward op: (out, softmax_lse, out_accum, softmax_lse_accum), the accumulators empty (cuteflash merges
     its splits itself). Attention only, fixed-length or variable-length (seqused_k included): the KV-cache arguments
-    (k_new, v_new, page_table, kv_batch_idx, leftpad_k, rotary_*) raise NotImplementedError; call
-    flash_attn_with_kvcache."""
+    (k_new, v_new, page_table, kv_batch_idx, leftpad_k, rotary_*) raise NotImplementedError (call
+    flash_attn_with_kvcache), and so does out_ (the op allocates its output; FA3's schema declares no mutation)."""
     _refuse(
-        qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, seqused_q=seqused_q, k_new=k_new,
-        v_new=v_new, page_table=page_table, kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k, rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin, seqlens_rotary=seqlens_rotary, cu_seqlens_k_new=cu_seqlens_k_new,
+        out_=out_, qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, seqused_q=seqused_q,
+        k_new=k_new, v_new=v_new, page_table=page_table, kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, seqlens_rotary=seqlens_rotary, cu_seqlens_k_new=cu_seqlens_k_new,
     )  # fmt: skip
     window = (window_size_left, window_size_right)
+    if cu_seqlens_q is None and (cu_seqlens_k is not None or seqused_k is not None):
+        raise NotImplementedError(
+            "cu_seqlens_k or seqused_k without cu_seqlens_q is not implemented; pass both offsets (a variable-length "
+            "batch) or call flash_attn_with_kvcache"
+        )
     with torch.no_grad():
         if cu_seqlens_q is None:
             out, lse = _fixed(q, k, v, softmax_scale, causal, window, _check_chunk(attention_chunk), softcap, False)
@@ -395,9 +404,6 @@ def _flash_attn_forward(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, softmax_scale, causal,
                 window, _check_chunk(attention_chunk), softcap, False,
             )  # fmt: skip
-    if out_ is not None:
-        out_.copy_(out)
-        out = out_.clone()  # (a custom op's outputs may not alias its inputs)
     empty = q.new_empty((0,), dtype=torch.float32)
     return out, lse.contiguous(), empty, empty.clone()
 

@@ -18,7 +18,7 @@ def norm_fwd(
     X, X1, RES, ROWSCALE, W, B, W1, B1,  # inputs (X1, RES, ROWSCALE, B, W1, B1 may be unused)
     Y, Y1, RES_OUT, MASK, MASK1, MEAN, RSTD,  # outputs
     stride_x, stride_x1, stride_res, stride_y, stride_y1, stride_res_out,
-    N, eps, threshold, seed, keep_scale,
+    N, eps, threshold, SEED, keep_scale,
     RMS: tl.constexpr, HAS_X1: tl.constexpr, HAS_RES: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
     HAS_B: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, STORE_RES: tl.constexpr,
     DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr,
@@ -30,7 +30,7 @@ def norm_fwd(
     if HAS_ROWSCALE:
         x *= tl.load(ROWSCALE + row).to(tl.float32)
     if DROPOUT:
-        bits, bits1, _, _ = tl.randint4x(seed, row * N + cols)
+        bits, bits1, _, _ = tl.randint4x(tl.load(SEED), row * N + cols)
         keep = _keep(bits, threshold)
         x = tl.where(keep, x * keep_scale, 0.0)
         if STORE_MASK:
@@ -79,7 +79,7 @@ def norm_bwd(
     X, W, W1, DY, DY1, DRES_OUT, MEAN, RSTD, ROWSCALE,  # inputs (X: the normalised rows, as saved)
     DX, DX1, DRES, DW, DB, DW1, DB1,  # outputs: DW..DB1 one row of partial sums per program
     stride_x, stride_dy, stride_dy1, stride_dres_out, stride_dx, stride_dx1, stride_dres,
-    rows, rows_per_program, N, threshold, seed, keep_scale,
+    rows, rows_per_program, N, threshold, SEED, keep_scale,
     RMS: tl.constexpr, HAS_W1: tl.constexpr, HAS_DRES_OUT: tl.constexpr, HAS_RES: tl.constexpr,
     HAS_X1: tl.constexpr, HAS_ROWSCALE: tl.constexpr, DROPOUT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -126,7 +126,7 @@ def norm_bwd(
         if HAS_RES:
             tl.store(DRES + row * stride_dres + cols, dx, mask=inside)
         if DROPOUT:
-            bits, bits1, _, _ = tl.randint4x(seed, row * N + cols)
+            bits, bits1, _, _ = tl.randint4x(tl.load(SEED), row * N + cols)
         if HAS_X1:
             dx1 = dx
             if DROPOUT:

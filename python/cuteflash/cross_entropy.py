@@ -27,8 +27,8 @@ _BLOCK = 4096  # vocabulary entries a program reads at a time
 
 class CrossEntropyLossFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, precomputed_lse, smoothing, logit_scale, lse_square_scale, ignore_index,
-                inplace_backward, process_group):  # fmt: skip
+    def forward(ctx, logits, labels, precomputed_lse=None, smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0,
+                ignore_index=-100, inplace_backward=False, process_group=None):  # fmt: skip
         kernels = _kernels()
         _check_device(logits)
         if logits.dim() != 2 or logits.shape[1] == 0:
@@ -64,7 +64,9 @@ class CrossEntropyLossFn(torch.autograd.Function):
             sums = torch.stack((total, picked))
             torch.distributed.all_reduce(sums, group=process_group)
             total, picked = sums
-        if precomputed_lse is not None:
+        if precomputed_lse is not None and logit_scale == 1.0 and smoothing == 0.0:  # where flash-attn takes it
+            if precomputed_lse.shape != (rows,):
+                raise ValueError(f"precomputed_lse must be ({rows},), got {tuple(precomputed_lse.shape)}")
             lse = precomputed_lse.to(torch.float32)
         ignored = labels == ignore_index
         z_losses = (lse_square_scale * lse.square()).masked_fill_(ignored, 0.0)
@@ -110,8 +112,8 @@ def cross_entropy_loss(
     Arguments:
         logits: (batch, vocab_size) float16, bfloat16 or float32 (this rank's slice with process_group).
         labels: (batch,) integer class indices into the whole vocabulary.
-        precomputed_lse: (batch,) or None: the log-sum-exp of logit_scale * logits, where the caller has it; it
-            is used in place of the one computed here.
+        precomputed_lse: (batch,) or None: the log-sum-exp of the logits, where the caller has it; used in place
+            of the one computed here where logit_scale is 1 and there is no label smoothing (as in flash-attn).
         label_smoothing: s in [0, 1]. logit_scale: multiplies the logits first.
         lse_square_scale: c: adds c * lse^2 to each loss (the z-loss).
         ignore_index: rows with this label get loss 0 and no gradient.

@@ -53,6 +53,19 @@ def _rows(name: str, t: torch.Tensor | None, shape: torch.Size) -> torch.Tensor 
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _buffer(name: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A caller's output buffer as (rows, N), a view of it (so that the kernel writes the caller's memory)."""
+    if not isinstance(t, torch.Tensor) or t.shape != shape:
+        raise ValueError(f"{name} must have x's shape {tuple(shape)}, got {getattr(t, 'shape', t)}")
+    try:
+        rows = t.view(-1, shape[-1])
+    except RuntimeError:
+        rows = None
+    if rows is None or rows.stride(-1) != 1:
+        raise ValueError(f"{name} must be viewable as (rows, {shape[-1]}) with a unit last stride (e.g. contiguous)")
+    return rows
+
+
 def _vector(name: str, t: torch.Tensor | None, n: int) -> torch.Tensor | None:
     if t is None:
         return None
@@ -82,12 +95,14 @@ def _bwd_warps(block: int) -> int:
 
 
 class _Dropout:
-    """The dropout of one call: a seed drawn from torch's CPU generator (no GPU synchronisation), and the keep
-    threshold on 24 random bits, so that the backward pass regenerates the forward pass's mask."""
+    """The dropout of one call: a Philox seed drawn on x's device by torch's generator (so that torch.manual_seed,
+    a forked RNG state and CUDA-graph replays draw as they do for torch's own dropout), read by the kernels, and
+    the keep threshold on 24 random bits; the backward pass regenerates the forward pass's mask from the same
+    seed."""
 
-    def __init__(self, p: float):
+    def __init__(self, p: float, device: torch.device):
         self.p = p
-        self.seed = int(torch.randint(0, 2**62, (1,)).item()) if p > 0 else 0
+        self.seed = torch.randint(0, 2**62, (1,), device=device) if p > 0 else None
         self.threshold = round(p * 2**24)
         self.scale = 1.0 / (1.0 - p) if p < 1 else 0.0
 
@@ -95,8 +110,9 @@ class _Dropout:
 class LayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm, residual_in_fp32,
-        zero_centered_weight, is_rms_norm, return_dropout_mask, out_dtype, out, residual_out,
+        ctx, x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0, rowscale=None,
+        prenorm=False, residual_in_fp32=False, zero_centered_weight=False, is_rms_norm=False, return_dropout_mask=False,
+        out_dtype=None, out=None, residual_out=None,
     ):  # fmt: skip
         kernels = _kernels()
         _check_device(x)
@@ -125,17 +141,17 @@ class LayerNormFn(torch.autograd.Function):
         changed = residual is not None or x1 is not None or rowscale is not None or dropout_p > 0
         store = changed or residual_dtype != x.dtype or residual_out is not None
         if residual_out is not None:
-            residual_out = residual_out.reshape(-1, n)
+            residual_out = _buffer("residual_out", residual_out, shape)
         elif store:
             residual_out = torch.empty((rows, n), dtype=residual_dtype, device=x.device)
         else:
             residual_out = x2
         out_dtype = x.dtype if out_dtype is None else out_dtype
-        y = out.reshape(-1, n) if out is not None else torch.empty((rows, n), dtype=out_dtype, device=x.device)
+        y = _buffer("out", out, shape) if out is not None else torch.empty((rows, n), dtype=out_dtype, device=x.device)
         y1 = torch.empty_like(y) if weight1 is not None else None
         mean = torch.empty(rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-        drop = _Dropout(dropout_p)
+        drop = _Dropout(dropout_p, x.device)
         store_mask = return_dropout_mask and dropout_p > 0
         mask = torch.empty((rows, n), dtype=torch.bool, device=x.device) if store_mask else None
         mask1 = torch.empty((rows, n), dtype=torch.bool, device=x.device) if store_mask and x1 is not None else None
@@ -245,7 +261,8 @@ def layer_norm_fn(
         x1, weight1, bias1: a second input summed into the row, and a second output norm(x') * weight1 + bias1.
         eps: added to the variance (the mean square with is_rms_norm).
         dropout_p: dropout of x (and of x1, with its own mask) before the sum; the masks come from torch's
-            generator, so torch.manual_seed repeats them.
+            generator on x's device (a seed a call), so torch.manual_seed repeats them and a CUDA graph's replays
+            draw new ones.
         rowscale: (...,), x's leading dims, or None: multiplies each row of x before its dropout.
         prenorm: also return residual_out, the sum the norm read (the next block's residual).
         return_dropout_mask: also return the masks of x and x1 (bool, True where kept; None where not drawn).
