@@ -276,3 +276,23 @@ def test_transformers_flash_attention_3(dtype, padded, fa3, tmp_path, require_su
     inputs = dict(input_ids=input_ids, use_cache=False, **({"attention_mask": mask} if padded else {}))
     common.check_model(tmp_path, dtype, inputs, input_ids.masked_fill(mask == 0, -100), mask.bool(),
                        implementation="flash_attention_3")  # fmt: skip
+
+
+def test_ops_fake_shapes(fa3):
+    """The flash_attn_3 ops' fake implementations (torch.compile traces with them): FA3's output shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(2, 100, 8, 64, dtype=torch.float16), torch.empty(2, 300, 2, 64, dtype=torch.float16)
+        out, lse, out_accum, lse_accum = torch.ops.flash_attn_3._flash_attn_forward(q, k, k, causal=True)
+        q_v, k_v = torch.empty(150, 8, 64, dtype=torch.bfloat16), torch.empty(170, 2, 64, dtype=torch.bfloat16)
+        cu = torch.empty(4, dtype=torch.int32)
+        out_v, lse_v, *_ = torch.ops.flash_attn_3._flash_attn_forward(
+            q_v, k_v, k_v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=70, max_seqlen_k=130
+        )
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+        softmax_d = torch.ops.flash_attn_3._flash_attn_backward(q, q, k, k, q, lse, dq=dq, dk=dk, dv=dv)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (2, 8, 100), torch.float32)
+    assert out_accum.numel() == lse_accum.numel() == 0
+    assert (out_v.shape, lse_v.shape) == (q_v.shape, (8, 150))
+    assert (softmax_d.shape, softmax_d.dtype) == ((2, 8, 100), torch.float32)
