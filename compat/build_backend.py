@@ -139,12 +139,17 @@ def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None) -
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None) -> str:
     refuse_to_replace_official()
-    dist_info = _dist_info_name()
-    contents = _package_files()
-    contents.update({f"{dist_info}/{name}": data for name, data in _dist_info_files().items()})
+    wheel_name = f"flash_attn-{version()}-py3-none-any.whl"
+    return write_wheel(wheel_directory, wheel_name, _dist_info_name(), _package_files(), _dist_info_files())
+
+
+def write_wheel(wheel_directory, wheel_name: str, dist_info: str, files: dict, dist_info_files: dict) -> str:
+    """Writes a pure-Python wheel: `files` by their path in it, `dist_info_files` under dist_info/, and the RECORD
+    of them all; fixed timestamps. Also compat3/build_backend.py's."""
+    contents = dict(files)
+    contents.update({f"{dist_info}/{name}": data for name, data in dist_info_files.items()})
     record = [_record_line(path, data) for path, data in contents.items()] + [f"{dist_info}/RECORD,,"]
     contents[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()
-    wheel_name = f"flash_attn-{version()}-py3-none-any.whl"
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as wheel:
         for path, data in contents.items():

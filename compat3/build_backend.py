@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import io
 import re
-import zipfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -102,19 +100,5 @@ def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None) -
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None) -> str:
     refuse_to_replace_official()
-    dist_info = _dist_info_name()
-    contents = _package_files()
-    contents.update({f"{dist_info}/{name}": data for name, data in _dist_info_files().items()})
-    record = [_shared._record_line(path, data) for path, data in contents.items()] + [f"{dist_info}/RECORD,,"]
-    contents[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()
     wheel_name = f"{NAME}-{version()}-py3-none-any.whl"
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as wheel:
-        for path, data in contents.items():
-            info = zipfile.ZipInfo(path, _shared._ZIP_DATE)
-            info.external_attr = 0o644 << 16
-            info.compress_type = zipfile.ZIP_DEFLATED
-            wheel.writestr(info, data)
-    Path(wheel_directory).mkdir(parents=True, exist_ok=True)
-    (Path(wheel_directory) / wheel_name).write_bytes(buffer.getvalue())
-    return wheel_name
+    return _shared.write_wheel(wheel_directory, wheel_name, _dist_info_name(), _package_files(), _dist_info_files())
