@@ -17,10 +17,11 @@
 #include <tuple>
 #include <utility>
 
-#include "cuteflash/device.h"
-#include "cuteflash/dispatch.h"
-#include "cuteflash/mask.h"
-#include "cuteflash/tile_config.h"
+#include "cuteflash/common/mask.h"
+#include "cuteflash/common/tiles.h"
+#include "cuteflash/decode/config.h"
+#include "cuteflash/host/device.h"
+#include "cuteflash/host/registry.h"
 
 namespace py = pybind11;
 
@@ -29,13 +30,20 @@ namespace {
 
 constexpr char const* kDTypeNames[] = {"float16", "bfloat16"};
 
-Family parse_family(std::string const& name) {
-  if (name == "sm70") return Family::kSm70;
-  if (name == "sm80") return Family::kSm80;
-  throw std::invalid_argument("cuteflash: unknown kernel family '" + name + "' (expected 'sm70' or 'sm80')");
+// The index of a compiled family (host/registry.h) by its name.
+int parse_family(std::string const& name) {
+  std::vector<FamilyInfo> const& families = compiled_families();
+  std::string names;
+  for (size_t i = 0; i < families.size(); ++i) {
+    if (name == families[i].name) return int(i);
+    names += (i > 0 ? ", " : "") + std::string(families[i].name);
+  }
+  throw std::invalid_argument("cuteflash: no kernel family '" + name + "' is compiled into this build (compiled: " +
+                              (names.empty() ? std::string("none") : names) + ")");
 }
 
-char const* family_name(Family family) { return family == Family::kSm70 ? "sm70" : "sm80"; }
+FamilyInfo const& family_info(int family) { return compiled_families()[size_t(family)]; }
+char const* family_name(int family) { return family_info(family).name; }
 
 void require(bool ok, std::string const& what) {
   if (!ok) throw std::invalid_argument("cuteflash: " + what);
@@ -84,6 +92,25 @@ struct Options {
   uintptr_t rng_state = 0;
 };
 
+// The problem both directions share (python/cuteflash/_ops.py's Problem builds it, field for field): the kernel
+// family and dtype, the operands (lse: a device pointer to fp32), the sizes (seqlen_q and seqlen_k: each sequence's
+// lengths, or a variable-length batch's bounds on them), and the scale and mask.
+struct Problem {
+  std::string family;
+  int dtype = 0;
+  Operand q, k, v, out;
+  uintptr_t lse = 0;
+  int batch = 0;
+  int nheads = 0;
+  int nheads_k = 0;
+  int seqlen_q = 0;
+  int seqlen_k = 0;
+  int head_dim = 0;
+  float softmax_scale = 0.f;
+  bool causal = false;
+  bool fp16_correction = false;
+};
+
 // p's dropout fields (params.h) for dropout_p and rng_state.
 void fill_dropout(FwdParams& p, double dropout_p, uintptr_t rng_state) {
   require(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p must be in [0, 1)");
@@ -126,12 +153,15 @@ void fill_options(FwdParams& p, Options const& o, bool varlen) {
 }
 
 // Checks the arguments shared by both directions (those the kernels would read out of bounds with) and
-// fills the forward's params. seqlen_q and seqlen_k: each sequence's lengths, or a variable-length batch's
-// bounds on them. Returns false when there is nothing to compute.
-bool fill_fwd_params(FwdParams& p, DType dtype, Operand const& q, Operand const& k, Operand const& v,
-                     Operand const& out, uintptr_t lse, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k,
-                     int head_dim, float softmax_scale, bool causal, bool fp16_correction, Varlen const& varlen,
-                     Options const& options, bool kv_cache = false) {
+// fills the forward's params. Returns false when there is nothing to compute.
+bool fill_fwd_params(FwdParams& p, Problem const& problem, Varlen const& varlen, Options const& options,
+                     bool kv_cache = false) {
+  const DType dtype = DType(problem.dtype);
+  Operand const &q = problem.q, &k = problem.k, &v = problem.v, &out = problem.out;
+  const int batch = problem.batch, nheads = problem.nheads, nheads_k = problem.nheads_k, head_dim = problem.head_dim;
+  int seqlen_q = problem.seqlen_q, seqlen_k = problem.seqlen_k;
+  const uintptr_t lse = problem.lse;
+  const float softmax_scale = problem.softmax_scale;
   require(dtype == DType::kFloat16 || dtype == DType::kBFloat16, "unknown dtype code");
   require(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "sizes must be non-negative");
   require(seqlen_q < kMaxSeqlen && seqlen_k < kMaxSeqlen, "seqlen_q and seqlen_k must be below 2^30");
@@ -184,8 +214,8 @@ bool fill_fwd_params(FwdParams& p, DType dtype, Operand const& q, Operand const&
   p.stats_head_stride = varlen.on() ? varlen.total_q : seqlen_q;
   p.softmax_scale = softmax_scale;
   p.softmax_scale_log2 = softmax_scale * 1.4426950408889634f;  // log2(e)
-  p.causal = causal;
-  p.fp16_correction = fp16_correction;
+  p.causal = problem.causal;
+  p.fp16_correction = problem.fp16_correction;
   fill_options(p, options, varlen.on());
   return true;
 }
@@ -246,16 +276,16 @@ bool decode_fits(int head_dim, int seqlen_q, int nheads, int nheads_k, bool varl
 }
 
 // The decoding kernel's split count: num_splits where the caller asks for some (capped by the chunks of keys and
-// kMaxSplits), else enough blocks to fill the current device once: two per SM, four for a single query row in the
-// sm70 family, fewer where the shared memory holds fewer; on tensor cores, at least kMinKeysPerSplit keys per split
-// (with few key-value heads, filling the GPU would leave a split a chunk or two of keys, less than its fp32 part and
-// merge cost). Several rows' registers allow no more than two. For a single row in the sm80 family, two blocks per SM
-// read the cache faster than four on an H100 (1 x 1 x 65536, batch x rows x keys with 32 heads of 128: 1 %; 8 x 1 x
-// 8192, one split per head against two: 2 %; at head dim 64 the same or faster).
-int decode_split_count(Family family, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim,
+// kMaxSplits), else enough blocks to fill the current device once: two per SM, four for a single query row where the
+// kernel reads the keys into registers, fewer where the shared memory holds fewer; on tensor cores, at least
+// kMinKeysPerSplit keys per split (with few key-value heads, filling the GPU would leave a split a chunk or two of
+// keys, less than its fp32 part and merge cost). Several rows' registers allow no more than two. For a single row read
+// with cp.async, two blocks per SM read the cache faster than four on an H100 (1 x 1 x 65536, batch x rows x keys with
+// 32 heads of 128: 1 %; 8 x 1 x 8192, one split per head against two: 2 %; at head dim 64 the same or faster).
+int decode_split_count(int family, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim,
                        int num_splits) {
   const int rows = decode_kernel_rows(seqlen_q * (nheads / nheads_k));
-  const bool async = family == Family::kSm80;
+  const bool async = family_info(family).decode_cp_async;
   const int kernel_head_dim = round_up_head_dim(head_dim);
   const int chunk = decode_chunk(kernel_head_dim, rows, async);
   const int chunks = std::max((seqlen_k + chunk - 1) / chunk, 1);
@@ -275,10 +305,15 @@ int decode_split_count(Family family, int batch, int nheads, int nheads_k, int s
 
 // Throws unless the family's code in this module runs on the current device. The answer is kept per device (the
 // probe, a cudaFuncGetAttributes, costs a few microseconds and runs before every launch).
-void require_family_runs(Family family) {
-  static std::array<std::atomic<int8_t>, 2 * kMaxDevices> known{};  // 0: not asked, 1: runs, -1: does not
-  std::atomic<int8_t>& runs = known[2 * current_device() + (family == Family::kSm80 ? 1 : 0)];
-  if (runs.load(std::memory_order_relaxed) == 0) runs.store(family_runs(family) ? 1 : -1, std::memory_order_relaxed);
+constexpr int kMaxFamilies = 8;
+
+void require_family_runs(int family) {
+  static std::array<std::atomic<int8_t>, kMaxFamilies * kMaxDevices> known{};  // 0: not asked, 1: runs, -1: does not
+  require(family < kMaxFamilies, "more kernel families than kMaxFamilies");
+  std::atomic<int8_t>& runs = known[kMaxFamilies * current_device() + family];
+  if (runs.load(std::memory_order_relaxed) == 0) {
+    runs.store(family_info(family).runs() ? 1 : -1, std::memory_order_relaxed);
+  }
   if (runs.load(std::memory_order_relaxed) < 0) {
     throw std::runtime_error(std::string("cuteflash: the ") + family_name(family) +
                              " kernels were not compiled for this GPU (or no CUDA GPU is usable); rebuild with "
@@ -289,7 +324,7 @@ void require_family_runs(Family family) {
 // The launcher that find (find_fwd or find_bwd) has for the call's family, dtype and head dim; throws where the
 // build holds none, or where the family's code does not run on this device.
 template <typename Find>
-auto require_kernel(Find find, Family family, char const* direction, DType dtype, int head_dim) {
+auto require_kernel(Find find, int family, char const* direction, DType dtype, int head_dim) {
   const int kernel_head_dim = round_up_head_dim(head_dim);
   auto launch = find(family, dtype, kernel_head_dim);
   require(launch != nullptr, "no " + std::string(family_name(family)) + " " + direction + " kernel for head dim " +
@@ -304,10 +339,9 @@ auto require_kernel(Find find, Family family, char const* direction, DType dtype
 // some, else, where the blocks of the query tiles (batch x heads x tiles) fill less than the current device once,
 // enough splits to fill it once (rounded down), each of at least kMinKeysPerSplit keys. A device runs two
 // blocks of 4 warps per SM at once where their shared memory fits (the registers allow no more), one of 8.
-int tiled_split_count(Family family, int batch, int nheads, int seqlen_q, int seqlen_k, int head_dim, int num_splits) {
+int tiled_split_count(int family, int batch, int nheads, int seqlen_q, int seqlen_k, int head_dim, int num_splits) {
   const int kernel_head_dim = round_up_head_dim(head_dim);
-  const TileConfig tile =
-      family == Family::kSm80 ? sm80_fwd_tile(kernel_head_dim, false) : sm70_fwd_tile_choice(kernel_head_dim, 0);
+  const TileConfig tile = family_info(family).split_tile(kernel_head_dim);
   const int key_blocks = std::max((seqlen_k + tile.block_n - 1) / tile.block_n, 1);
   int splits = num_splits;
   if (splits <= 0) {
@@ -330,7 +364,7 @@ std::tuple<bool, int, int64_t, int64_t> fwd_plan(std::string const& family_name,
                                                  bool cache, int num_splits) {
   require(nheads_k >= 1 && nheads % nheads_k == 0, "nheads must be a multiple of nheads_k");
   require(round_up_head_dim(head_dim) > 0, "head_dim must be at most 256");
-  const Family family = parse_family(family_name);
+  const int family = parse_family(family_name);
   const bool decode = decode_fits(head_dim, seqlen_q, nheads, nheads_k, varlen, dropout);
   int splits = 1;
   if (batch > 0 && seqlen_q > 0) {
@@ -414,28 +448,19 @@ struct FwdLaunch {
   }
 };
 
-std::optional<FwdLaunch> fwd_launch(std::string const& family_name, int dtype_code, Operand const& q, Operand const& k,
-                                    Operand const& v, Operand const& out, uintptr_t lse, int batch, int nheads,
-                                    int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale,
-                                    bool causal, bool fp16_correction, uintptr_t stream, uintptr_t cu_seqlens_q,
-                                    uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k, int window_left,
-                                    int window_right, float softcap, uintptr_t alibi_slopes, int alibi_batch_stride,
-                                    double dropout_p, uintptr_t rng_state, std::optional<Cache> const& cache_arg,
-                                    bool decode, int num_splits, uintptr_t o_accum, uintptr_t lse_accum,
-                                    int64_t accum_floats, uintptr_t split_counters) {
+std::optional<FwdLaunch> fwd_launch(Problem const& problem, Varlen const& varlen, Options const& options,
+                                    uintptr_t stream, std::optional<Cache> const& cache_arg, bool decode,
+                                    int num_splits, uintptr_t o_accum, uintptr_t lse_accum, int64_t accum_floats,
+                                    uintptr_t split_counters) {
   const Cache cache = cache_arg.value_or(Cache{});
-  const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
-  const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, dropout_p, rng_state};
-  Family family = parse_family(family_name);
+  const int family = parse_family(problem.family);
   FwdParams p{};
-  if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
-                       softmax_scale, causal, fp16_correction, varlen, options, cache.seqused_k != 0)) {
-    return std::nullopt;
-  }
+  if (!fill_fwd_params(p, problem, varlen, options, cache.seqused_k != 0)) return std::nullopt;
+  const int batch = problem.batch, nheads = problem.nheads, head_dim = problem.head_dim, seqlen_q = problem.seqlen_q;
   fill_cache(p, cache);
   require(p.block_table == nullptr || p.rng_state == nullptr, "dropout with a paged cache is not implemented");
   require(num_splits >= 1 && num_splits <= kMaxSplits, "num_splits must be in [1, 128] (fwd_plan)");
-  require(!decode || decode_fits(head_dim, seqlen_q, nheads, nheads_k, varlen.on(), p.rng_state != nullptr),
+  require(!decode || decode_fits(head_dim, seqlen_q, nheads, problem.nheads_k, varlen.on(), p.rng_state != nullptr),
           "the decoding kernel does not compute this call (fwd_plan)");
   // The tiled kernels split the keys where their variant serves caches (sequence.cuh): KV-cache calls, whose
   // batches have fixed lengths.
@@ -454,8 +479,8 @@ std::optional<FwdLaunch> fwd_launch(std::string const& family_name, int dtype_co
             "split_counters: aligned int32 counters, for the decoding kernel only");
     p.split_counters = reinterpret_cast<int*>(split_counters);
   }
-  FwdFn kernel = decode ? require_kernel(find_decode, family, "decoding", DType(dtype_code), head_dim)
-                        : require_kernel(find_fwd, family, "forward", DType(dtype_code), head_dim);
+  FwdFn kernel = decode ? require_kernel(find_decode, family, "decoding", DType(problem.dtype), head_dim)
+                        : require_kernel(find_fwd, family, "forward", DType(problem.dtype), head_dim);
   return FwdLaunch{p, kernel, current_device(), stream, decode && num_splits > 1};
 }
 
@@ -464,7 +489,7 @@ std::optional<FwdLaunch> fwd_launch(std::string const& family_name, int dtype_co
 void append_kv(std::string const& family_name, Operand const& k_new, Operand const& v_new, Operand const& k_cache,
                Operand const& v_cache, int batch, int seqlen_new, int nheads_k, int head_dim, Cache const& cache,
                uintptr_t stream) {
-  const Family family = parse_family(family_name);
+  const int family = parse_family(family_name);
   require(batch >= 0 && seqlen_new >= 0 && nheads_k >= 1 && head_dim >= 8 && head_dim % 8 == 0,
           "append_kv: sizes out of range");
   if (batch == 0 || seqlen_new == 0) return;
@@ -478,25 +503,21 @@ void append_kv(std::string const& family_name, Operand const& k_new, Operand con
   AppendParams a{k_new,       v_new,       k_cache,        v_cache,    batch,     seqlen_new,    nheads_k,
                  head_dim,    p.seqused_k, p.kv_batch_idx, p.kv_batch, p.kv_rows, p.block_table, p.block_table_stride,
                  p.page_size, p.num_pages};
-  AppendFn launch = find_append(family);
-  require(launch != nullptr, std::string("no ") + family_name + " kernels were compiled in");
   require_family_runs(family);
-  launch(a, reinterpret_cast<cudaStream_t>(stream));
+  family_info(family).append(a, reinterpret_cast<cudaStream_t>(stream));
 }
 
 // What the backward pass needs from its caller besides the gradients: dq_accum's size in floats (params.h),
-// and whether D = rowsum(dO * O) may live in dq's memory. It may where dq is written only by the last
-// kernel, which reads dq_accum (sm80's atomic path); it needs its own buffer where a kernel that reads D
-// also writes dq (the deterministic dQ kernels; sm70's dK/dV kernel, whose last block of a head converts
-// dQ while other blocks still read D).
+// and whether D = rowsum(dO * O) may live in dq's memory: where the family says so (FamilyTraits::kRowsumInDq) and
+// the pass is not deterministic (the deterministic dQ kernels read D and write dq).
 // total_q: the rows of q of a variable-length batch, -1 for a fixed-length one.
 std::pair<int64_t, bool> bwd_workspace(std::string const& family_name, int head_dim, int batch, int nheads,
                                        int seqlen_q, bool deterministic, int64_t total_q) {
-  const Family family = parse_family(family_name);
+  const int family = parse_family(family_name);
   const int kernel_head_dim = round_up_head_dim(head_dim);
   require(kernel_head_dim > 0, "head_dim must be at most 256");
   return {dq_accum_layout(batch, nheads, seqlen_q, total_q, kernel_head_dim, deterministic).floats,
-          family == Family::kSm80 && !deterministic};
+          family_info(family).rowsum_in_dq && !deterministic};
 }
 
 // A checked backward pass, ready to launch (as FwdLaunch): bwd launches one at once, bwd_launch returns it to the
@@ -524,24 +545,16 @@ struct BwdLaunch {
   }
 };
 
-std::optional<BwdLaunch> bwd_launch(std::string const& family_name, int dtype_code, Operand const& q, Operand const& k,
-                                    Operand const& v, Operand const& out, uintptr_t lse, int batch, int nheads,
-                                    int nheads_k, int seqlen_q, int seqlen_k, int head_dim, float softmax_scale,
-                                    bool causal, bool fp16_correction, uintptr_t stream, uintptr_t cu_seqlens_q,
-                                    uintptr_t cu_seqlens_k, int64_t total_q, int64_t total_k, int window_left,
-                                    int window_right, float softcap, uintptr_t alibi_slopes, int alibi_batch_stride,
-                                    double dropout_p, uintptr_t rng_state, Operand const& dout, Operand const& dq,
-                                    uintptr_t dq_accum, int64_t dq_accum_floats_given, uintptr_t d_rowsum,
-                                    Operand const& dk, Operand const& dv, bool deterministic) {
-  const Varlen varlen{cu_seqlens_q, cu_seqlens_k, total_q, total_k};
-  const Options options{window_left, window_right, softcap, alibi_slopes, alibi_batch_stride, dropout_p, rng_state};
-  Family family = parse_family(family_name);
+std::optional<BwdLaunch> bwd_launch(Problem const& problem, Varlen const& varlen, Options const& options,
+                                    uintptr_t stream, Operand const& dout, Operand const& dq, uintptr_t dq_accum,
+                                    int64_t dq_accum_floats_given, uintptr_t d_rowsum, Operand const& dk,
+                                    Operand const& dv, bool deterministic) {
+  const int family = parse_family(problem.family);
   BwdParams p{};
-  if (!fill_fwd_params(p, DType(dtype_code), q, k, v, out, lse, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
-                       softmax_scale, causal, fp16_correction, varlen, options) ||
-      (varlen.on() ? varlen.total_k : seqlen_k) == 0) {
+  if (!fill_fwd_params(p, problem, varlen, options) || (varlen.on() ? varlen.total_k : problem.seqlen_k) == 0) {
     return std::nullopt;  // the caller zeroes the gradients
   }
+  const int batch = problem.batch, nheads = problem.nheads, head_dim = problem.head_dim;
   check_operand("dout", dout);
   check_operand("dk", dk);
   check_operand("dv", dv);
@@ -573,7 +586,7 @@ std::optional<BwdLaunch> bwd_launch(std::string const& family_name, int dtype_co
   }
   p.d_rowsum = reinterpret_cast<float*>(d_rowsum);
   p.deterministic = deterministic;
-  BwdFn kernel = require_kernel(find_bwd, family, "backward", DType(dtype_code), head_dim);
+  BwdFn kernel = require_kernel(find_bwd, family, "backward", DType(problem.dtype), head_dim);
   return BwdLaunch{p, kernel, current_device(), stream};
 }
 
@@ -592,7 +605,7 @@ auto at_once(std::optional<Launch> (*prepare)(Args...)) {
 void dropout_mask(std::string const& family_name, uintptr_t keep, int rows, int cols, int batch, int nheads,
                   int seqlen_q, int seqlen_k, uintptr_t cu_seqlens_q, int64_t total_q, int64_t total_k,
                   double dropout_p, uintptr_t rng_state, uintptr_t stream) {
-  const Family family = parse_family(family_name);
+  const int family = parse_family(family_name);
   require(keep != 0 && rows >= 0 && cols >= 0 && rows % 16 == 0 && cols % 16 == 0,
           "the dropout mask needs a buffer of rows x cols bytes per (batch, head), both multiples of 16");
   require(batch >= 0 && batch <= 65535 && nheads >= 1 && nheads <= 65535, "batch and nheads out of range");
@@ -607,20 +620,14 @@ void dropout_mask(std::string const& family_name, uintptr_t keep, int rows, int 
   p.total_k = int(total_k);
   fill_dropout(p, dropout_p, rng_state);
   if (batch == 0 || rows == 0 || cols == 0) return;
-  DropoutMaskFn launch = find_dropout_mask(family);
-  require(launch != nullptr, std::string("no ") + family_name + " kernels were compiled in");
   require_family_runs(family);
-  launch(p, reinterpret_cast<uint8_t*>(keep), rows, cols, reinterpret_cast<cudaStream_t>(stream));
+  family_info(family).dropout_mask(p, reinterpret_cast<uint8_t*>(keep), rows, cols,
+                                   reinterpret_cast<cudaStream_t>(stream));
 }
 
 py::dict build_info() {
   py::dict families;
-#ifdef CUTEFLASH_HAS_SM70
-  families["sm70"] = CUTEFLASH_SM70_TARGETS;
-#endif
-#ifdef CUTEFLASH_HAS_SM80
-  families["sm80"] = CUTEFLASH_SM80_TARGETS;
-#endif
+  for (FamilyInfo const& family : compiled_families()) families[family.name] = family.targets;
   py::list kernels;
   for (KernelInfo const& k : compiled_kernels()) {
     py::dict entry;
@@ -658,32 +665,41 @@ struct type_caster<cuteflash::Operand> {
   }
 };
 
-// A KV cache (Cache) as the tuple of its fields in their order, for the same reason.
-template <>
-struct type_caster<cuteflash::Cache> {
-  using Fields = std::tuple<uintptr_t, int, uintptr_t, uintptr_t, int, int, uintptr_t, int64_t, int, int>;
-  PYBIND11_TYPE_CASTER(cuteflash::Cache, const_name("tuple[int, int, int, int, int, int, int, int, int, int]"));
+// Problem, Varlen, Options and Cache as the tuples of their fields in their order, for the same reason
+// (python/cuteflash/_ops.py's Problem, KernelVarlen, KernelOptions and Cache arguments).
+template <typename Struct, typename... Fields>
+struct fields_caster {
+  PYBIND11_TYPE_CASTER(Struct, const_name("tuple"));
 
   bool load(handle src, bool convert) {
-    make_caster<Fields> fields;
+    make_caster<std::tuple<Fields...>> fields;
     if (!fields.load(src, convert)) return false;
-    value = std::apply([](auto... field) { return cuteflash::Cache{field...}; }, cast_op<Fields>(std::move(fields)));
+    value = std::apply([](auto&&... field) { return Struct{std::move(field)...}; },
+                       cast_op<std::tuple<Fields...>>(std::move(fields)));
     return true;
   }
 };
+
+template <>
+struct type_caster<cuteflash::Problem>
+    : fields_caster<cuteflash::Problem, std::string, int, cuteflash::Operand, cuteflash::Operand, cuteflash::Operand,
+                    cuteflash::Operand, uintptr_t, int, int, int, int, int, int, float, bool, bool> {};
+template <>
+struct type_caster<cuteflash::Varlen> : fields_caster<cuteflash::Varlen, uintptr_t, uintptr_t, int64_t, int64_t> {};
+template <>
+struct type_caster<cuteflash::Options>
+    : fields_caster<cuteflash::Options, int, int, float, uintptr_t, int, double, uintptr_t> {};
+template <>
+struct type_caster<cuteflash::Cache>
+    : fields_caster<cuteflash::Cache, uintptr_t, int, uintptr_t, uintptr_t, int, int, uintptr_t, int64_t, int, int> {};
 }  // namespace pybind11::detail
 
-// Binds a launcher (fwd, bwd) whose parameters begin with the 28 of the problem that both share (_ops._problem
-// builds them), followed by its own, `own`.
+// Binds a launcher (fwd, bwd) whose parameters begin with the problem, the batch's sequences, the options and the
+// stream, followed by its own, `own`.
 template <typename Func, typename... Own>
 void def_launcher(py::module_& m, char const* name, Func func, Own&&... own) {
-  m.def(name, func, py::arg("family"), py::arg("dtype"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
-        py::arg("lse"), py::arg("batch"), py::arg("nheads"), py::arg("nheads_k"), py::arg("seqlen_q"),
-        py::arg("seqlen_k"), py::arg("head_dim"), py::arg("softmax_scale"), py::arg("causal"),
-        py::arg("fp16_correction"), py::arg("stream"), py::arg("cu_seqlens_q") = 0, py::arg("cu_seqlens_k") = 0,
-        py::arg("total_q") = 0, py::arg("total_k") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("softcap") = 0.f, py::arg("alibi_slopes") = 0, py::arg("alibi_batch_stride") = 0,
-        py::arg("dropout_p") = 0.0, py::arg("rng_state") = 0, std::forward<Own>(own)...);
+  m.def(name, func, py::arg("problem"), py::arg("varlen"), py::arg("options"), py::arg("stream"),
+        std::forward<Own>(own)...);
 }
 
 // _ops.py calls fwd, bwd, their _launch forms, fwd_plan, bwd_workspace and append_kv with positional arguments, in
@@ -725,7 +741,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("cu_seqlens_q"), py::arg("total_q"), py::arg("total_k"), py::arg("dropout_p"), py::arg("rng_state"),
         py::arg("stream"), "The dropout mask of a call, a byte per element (for return_attn_probs).");
   m.def(
-      "family_runs", [](std::string const& family) { return cuteflash::family_runs(cuteflash::parse_family(family)); },
+      "family_runs",
+      [](std::string const& family) { return cuteflash::family_info(cuteflash::parse_family(family)).runs(); },
       py::arg("family"), "Whether the family's code in this module runs on the current CUDA device.");
   m.def("build_info", &cuteflash::build_info,
         "Families and their targets, the CUDA version, the kernels compiled in and the kernel head dims.");

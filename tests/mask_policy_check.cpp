@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "cuteflash/mask.h"
+#include "cuteflash/common/mask.h"
 
 using cuteflash::BlockRange;
 using cuteflash::kMaxSeqlen;

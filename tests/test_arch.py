@@ -117,11 +117,22 @@ def run_cmake_mode(*args):
 
 
 def test_cmake_mode_prints_set_commands():
-    out = run_cmake_mode("7.5;8.0;9.0+PTX", "--cuda-version", "13.0", "--sm70-extra", "9.0")
+    out = run_cmake_mode("7.5;8.0;9.0+PTX", "--cuda-version", "13.0", "--extra", "sm70=9.0", "--extra", "sm80=")
+    assert 'set(CUTEFLASH_FAMILIES "sm70;sm80")' in out
     assert 'set(CUTEFLASH_SM70_ARCHS "75-real;90-real")' in out
     assert 'set(CUTEFLASH_SM80_ARCHS "80-real;90-real;90-virtual")' in out
     assert 'set(CUTEFLASH_SM80_TARGETS "8.0 9.0+PTX")' in out
     assert "CUTEFLASH_ARCH_ERROR" not in out
+
+
+def test_cmake_mode_lists_only_families_with_targets():
+    out = run_cmake_mode("8.0", "--cuda-version", "13.0")
+    assert 'set(CUTEFLASH_FAMILIES "sm80")' in out and 'set(CUTEFLASH_SM70_ARCHS "")' in out
+
+
+def test_cmake_mode_rejects_an_unknown_family_in_extras():
+    out = run_cmake_mode("8.0", "--cuda-version", "13.0", "--extra", "sm60=9.0")
+    assert "set(CUTEFLASH_ARCH_ERROR" in out and "unknown kernel family 'sm60'" in out
 
 
 def test_cmake_mode_reports_errors_for_cmake_to_raise():

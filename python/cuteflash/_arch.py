@@ -6,7 +6,7 @@ It needs nothing but the standard library, so it runs inside an isolated build e
 
 Why not CMake's own architecture handling (CMAKE_CUDA_ARCHITECTURES, "native"): it takes CMake's grammar
 (``80-real;90-virtual``), not the TORCH_CUDA_ARCH_LIST that users of PyTorch extensions already set, and it has
-no notion of the two families that split the targets at 8.0; the targets chosen here are handed to CMake as
+no notion of the kernel families (_families.py) that split the targets; the targets chosen here are handed to CMake as
 each family library's CUDA_ARCHITECTURES, which then builds them as it would its own.
 
 Grammar (PyTorch's, ``torch.utils.cpp_extension``): entries separated by ``;`` or spaces; each entry is
@@ -39,7 +39,12 @@ NAMED_ARCHES = {
     "Hopper": "9.0+PTX",
 }
 
-FAMILIES = ("sm70", "sm80")
+try:
+    from . import _families
+except ImportError:  # run as a script (CMake): _families.py lies beside this file
+    import _families
+
+FAMILIES = _families.NAMES
 
 # Compute capabilities nvcc knows, with the first CUDA release that builds them and the last one
 # (None: still supported). CUDA 13.0 dropped sm_70/sm_72 and renamed sm_101 to sm_110.
@@ -113,11 +118,15 @@ class Selection:
 
 
 def family_of(cc: int) -> str:
-    if 70 <= cc < 80:
-        return "sm70"
-    if cc >= 80:
-        return "sm80"
-    raise ArchError(f"compute capability {cc // 10}.{cc % 10} is not supported: cuteflash needs Volta (7.0) or newer")
+    """The family whose kernels a target of compute capability cc gets (_families.serving's first)."""
+    serving = _families.serving(cc)
+    if not serving:
+        lowest = min(f.cc_min for f in _families.FAMILIES)
+        raise ArchError(
+            f"compute capability {cc // 10}.{cc % 10} is not supported: cuteflash needs Volta "
+            f"({lowest // 10}.{lowest % 10}) or newer"
+        )
+    return serving[0].name
 
 
 _ENTRY = re.compile(r"^(\d+)\.(\d)([af]?)(\+PTX)?$")
@@ -178,6 +187,17 @@ def check_toolkit(target: Target, cuda: tuple[int, int] | None) -> None:
         raise ArchError(f"family-specific target {target} needs CUDA 12.9 or newer; found CUDA {v}")
 
 
+def check_family_toolkit(family: str, cuda: tuple[int, int] | None) -> None:
+    """Raises where the toolkit cannot build the family's code (_families.Family.cuda_min, cuda_max)."""
+    f = _families.get(family)
+    if cuda is None:
+        return
+    text = lambda version: f"{version[0]}.{version[1]}"  # noqa: E731
+    if cuda < f.cuda_min or (f.cuda_max is not None and cuda > f.cuda_max):
+        needs = f"CUDA {text(f.cuda_min)}" + (f" to {text(f.cuda_max)}" if f.cuda_max else " or newer")
+        raise ArchError(f"the {family} kernels need {needs}; found CUDA {text(cuda)}")
+
+
 def default_arch_list(cuda: tuple[int, int] | None) -> str:
     return DEFAULT_ARCH_LIST["cuda13" if cuda is not None and cuda >= (13, 0) else "cuda12"]
 
@@ -205,6 +225,9 @@ def parse(
             target = parse_entry(entry)
             check_toolkit(target, cuda)
             sel.add(target, family)
+    for family, targets in sel.targets.items():
+        if targets:
+            check_family_toolkit(family, cuda)
     return sel
 
 
@@ -239,18 +262,25 @@ def _cmake_main(args: argparse.Namespace) -> int:
         arch_list, source = visible_gpu_arch_list(), "visible GPUs"
         if not arch_list:
             arch_list, source = default_arch_list(cuda), "default (no GPU visible)"
-    extra = {f: v for f, v in (("sm70", args.sm70_extra), ("sm80", args.sm80_extra)) if v}
+    extra = {}
+    for item in args.extra:
+        family, _, targets = item.partition("=")
+        if targets.strip():
+            extra[family] = targets
     try:
         sel = parse(arch_list, cuda, extra)
     except ArchError as e:
         print(f"set(CUTEFLASH_ARCH_ERROR [=[{e}]=])")
         return 0
     print(f"set(CUTEFLASH_ARCH_SOURCE [=[{source}: {arch_list}]=])")
+    print(f'set(CUTEFLASH_FAMILIES "{";".join(f for f in FAMILIES if sel.targets[f])}")')
     for family in FAMILIES:
         targets = sel.targets[family]
         items = [item for t in targets for item in t.cmake()]
         print(f'set(CUTEFLASH_{family.upper()}_ARCHS "{";".join(items)}")')
         print(f'set(CUTEFLASH_{family.upper()}_TARGETS "{" ".join(str(t) for t in targets)}")')
+        for kind, seconds in _families.get(family).build_seconds.items():
+            print(f"set(CUTEFLASH_{family.upper()}_SECONDS_{kind.upper()} {seconds})")
     return 0
 
 
@@ -258,10 +288,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("arch_list", nargs="?", default="", help="TORCH_CUDA_ARCH_LIST value")
     p.add_argument("--cuda-version", default="", help="toolkit version, e.g. 12.9")
-    p.add_argument("--sm70-extra", default="", help="extra targets for the sm70 family (developers)")
-    p.add_argument("--sm80-extra", default="", help="extra targets for the sm80 family (developers)")
+    p.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="FAMILY=TARGETS",
+        help="extra targets for a family, as <family>=9.0 (developers; CUTEFLASH_<FAMILY>_EXTRA_ARCHS)",
+    )
+    p.add_argument("--families", action="store_true", help="print the families' names, ';'-separated")
     p.add_argument("--cmake", action="store_true", help="print CMake set() commands")
     args = p.parse_args(argv)
+    if args.families:
+        print(";".join(FAMILIES))
+        return 0
     if args.cmake:
         return _cmake_main(args)
     try:

@@ -7,7 +7,7 @@ import os
 
 import torch  # noqa: F401  (before _C: torch's import crashed when our pybind11 module was loaded first)
 
-from . import _arch
+from . import _families
 
 try:
     from . import _C
@@ -80,8 +80,9 @@ _selected: dict = {}
 
 
 def select_family(device) -> str:
-    """The kernel family for a CUDA device: sm80 for compute capability 8.0+, sm70 for 7.x, or the
-    one that ``CUTEFLASH_BACKEND`` (auto, sm70, sm80) forces. Raises if it cannot run there.
+    """The kernel family for a CUDA device: the registry's (_families.py) preferred family for its compute
+    capability among those compiled in, or the one that ``CUTEFLASH_BACKEND`` (auto or a family's name) forces.
+    Raises if it cannot run there.
     Called on every kernel launch, so the answer is cached per (device, CUTEFLASH_BACKEND)."""
     if isinstance(device, torch.device):
         index = device.index
@@ -99,15 +100,28 @@ def select_family(device) -> str:
 def _select_family(index: int, forced: str) -> str:
     cc = torch.cuda.get_device_capability(index)
     name = torch.cuda.get_device_name(index)
-    if forced not in ("auto",) + _arch.FAMILIES:
-        raise ValueError(f"{BACKEND_ENV}={forced!r} is not one of auto, {', '.join(_arch.FAMILIES)}")
-    if cc < (7, 0):
-        raise RuntimeError(f"{name} has compute capability {_cc_text(cc)}; cuteflash needs 7.0 (Volta) or newer")
-    family = ("sm80" if cc >= (8, 0) else "sm70") if forced == "auto" else forced
-    if family == "sm80" and cc < (8, 0):
-        raise RuntimeError(f"the sm80 kernels need compute capability 8.0 or newer; {name} has {_cc_text(cc)}")
-
+    if forced not in ("auto",) + _families.NAMES:
+        raise ValueError(f"{BACKEND_ENV}={forced!r} is not one of auto, {', '.join(_families.NAMES)}")
+    serving = _families.serving(cc[0] * 10 + cc[1])
+    if not serving:
+        lowest = min(f.cc_min for f in _families.FAMILIES)
+        raise RuntimeError(
+            f"{name} has compute capability {_cc_text(cc)}; cuteflash needs {lowest // 10}.{lowest % 10} (Volta) or "
+            "newer"
+        )
     families = build_info()["families"]
+    if forced == "auto":
+        # the preferred family compiled in; where none is, the preferred one, for the message below
+        family = next((f.name for f in serving if f.name in families), serving[0].name)
+    else:
+        family = forced
+        low = _families.get(family).cc_min
+        if cc[0] * 10 + cc[1] < low:  # (a newer GPU runs an older family's code where it was compiled for it)
+            raise RuntimeError(
+                f"the {family} kernels need compute capability {low // 10}.{low % 10} or newer; {name} has "
+                f"{_cc_text(cc)}"
+            )
+
     if family not in families:
         compiled = ", ".join(families) or "none"
         raise RuntimeError(
@@ -121,3 +135,21 @@ def _select_family(index: int, forced: str) -> str:
             f"(compute capability {_cc_text(cc)}); {_rebuild_hint(cc)}"
         )
     return family
+
+
+def check_dtype(family: str, dtype: torch.dtype) -> None:
+    """Raises TypeError where the family's kernels do not compute dtype (the registry's dtypes)."""
+    code = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype)
+    if code is None or code in _families.get(family).dtypes:
+        return
+    with_it = [f for f in _families.FAMILIES if code in f.dtypes]
+    low = min(f.cc_min for f in with_it)
+    raise TypeError(
+        f"{dtype} needs a GPU of compute capability {low // 10}.{low % 10}+ (the {with_it[0].name} kernels); this "
+        f"GPU runs the {family} kernels: use float16"
+    )
+
+
+def dtype_supported(family: str, dtype: torch.dtype) -> bool:
+    code = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype)
+    return code in _families.get(family).dtypes

@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._lib import BACKEND_ENV, build_info, compiled_module, select_family
+from . import _families
+from ._lib import BACKEND_ENV, build_info, check_dtype, compiled_module, dtype_supported, select_family
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 SM70_CORRECTION_ENV = "CUTEFLASH_SM70_CORRECTION"
@@ -114,9 +115,10 @@ def environment() -> tuple:
 
 
 def _fp16_correction(family: str) -> bool:
-    """sm70: P (and dS) enter their fp16 tensor-core products error-corrected, unless
-    CUTEFLASH_SM70_CORRECTION=0 (plain fp16, for comparison). The sm80 kernels ignore the flag."""
-    return family != "sm70" or os.environ.get(SM70_CORRECTION_ENV, "1") != "0"
+    """A family with fp16 correction (_families.py; sm70): P (and dS) enter their fp16 tensor-core products
+    error-corrected, unless CUTEFLASH_SM70_CORRECTION=0 (plain fp16, for comparison). Other families ignore the
+    flag."""
+    return not _families.get(family).fp16_correction or os.environ.get(SM70_CORRECTION_ENV, "1") != "0"
 
 
 class Varlen(NamedTuple):
@@ -179,6 +181,55 @@ def _sizes(q: torch.Tensor, varlen: Varlen | None) -> tuple[int, int, int]:
     return varlen.cu_seqlens_q.numel() - 1, varlen.max_seqlen_q, q.shape[1]
 
 
+class Problem(NamedTuple):
+    """What _C's launchers begin with: src/api.cpp's Problem, field for field. The kernel family and dtype code,
+    the operands (_operand's tuples) and lse's address, the sizes (seqlen_q and seqlen_k: each sequence's lengths, or
+    a variable-length batch's bounds on them), the scale and the mask."""
+
+    family: str
+    dtype: int
+    q: tuple
+    k: tuple
+    v: tuple
+    out: tuple
+    lse: int
+    batch: int
+    nheads: int
+    nheads_k: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    softmax_scale: float
+    causal: bool
+    fp16_correction: bool
+
+
+class KernelVarlen(NamedTuple):
+    """A variable-length batch as _C takes it (src/api.cpp's Varlen): the offsets' addresses and the rows of q and
+    of k; all 0 for a fixed-length batch."""
+
+    cu_seqlens_q: int = 0
+    cu_seqlens_k: int = 0
+    total_q: int = 0
+    total_k: int = 0
+
+
+class KernelOptions(NamedTuple):
+    """Options as _C takes them (src/api.cpp's Options): tensors as addresses, ALiBi's batch stride (0: one slope
+    per head), dropout_p 0 where there is no dropout."""
+
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    alibi_slopes: int = 0
+    alibi_batch_stride: int = 0
+    dropout_p: float = 0.0
+    rng_state: int = 0
+
+
+FIXED_LENGTH = KernelVarlen()
+
+
 def _problem(
     family: str,
     q,
@@ -192,15 +243,13 @@ def _problem(
     options: Options,
     sizes: tuple[int, int, int],
     seqlen_k: int | None = None,
-) -> tuple:
-    """The arguments that _C.fwd and _C.bwd begin with, in their order (src/api.cpp): the problem, and the stream
-    it runs on. sizes: _sizes(q, varlen); seqlen_k: a KV cache's rows (default: k's)."""
+) -> tuple[Problem, KernelVarlen, KernelOptions]:
+    """The arguments that _C's launchers begin with, but the stream: the problem, the batch's sequences and the
+    options. sizes: _sizes(q, varlen); seqlen_k: a KV cache's rows (default: k's)."""
     batch, seqlen_q, nheads = sizes
     if seqlen_k is None:
         seqlen_k = k.shape[1] if varlen is None else varlen.max_seqlen_k
-    slopes = options.alibi_slopes
-    dropout = options.dropout_p > 0
-    return (
+    problem = Problem(
         family,
         _DTYPE_CODES[q.dtype],
         _operand(q),
@@ -217,11 +266,20 @@ def _problem(
         softmax_scale,
         causal,
         _fp16_correction(family),
-        _stream(q.device),
-        0 if varlen is None else varlen.cu_seqlens_q.data_ptr(),
-        0 if varlen is None else varlen.cu_seqlens_k.data_ptr(),
-        0 if varlen is None else q.shape[0],  # total_q
-        0 if varlen is None else k.shape[0],  # total_k
+    )
+    if varlen is None:
+        sequences = FIXED_LENGTH
+    else:
+        sequences = KernelVarlen(varlen.cu_seqlens_q.data_ptr(), varlen.cu_seqlens_k.data_ptr(), q.shape[0], k.shape[0])
+    return problem, sequences, _kernel_options(options)
+
+
+def _kernel_options(options: Options) -> KernelOptions:
+    if options is NO_OPTIONS:
+        return NO_KERNEL_OPTIONS
+    slopes = options.alibi_slopes
+    dropout = options.dropout_p > 0
+    return KernelOptions(
         options.window_left,
         options.window_right,
         options.softcap,
@@ -230,6 +288,9 @@ def _problem(
         options.dropout_p if dropout else 0.0,
         options.rng_state.data_ptr() if dropout else 0,
     )
+
+
+NO_KERNEL_OPTIONS = KernelOptions()
 
 
 class Cache(NamedTuple):
@@ -292,8 +353,7 @@ def fwd_impl(
     (0: chosen from the GPU's size; 1: none), for KV-cache calls (the decoding kernel splits flash_attn_func's
     decoding shapes too)."""
     family = select_family(q.device)
-    if family == "sm70" and q.dtype == torch.bfloat16:
-        raise TypeError("bfloat16 needs an sm80 GPU (compute capability 8.0+); use float16 on this GPU")
+    check_dtype(family, q.dtype)
     q = _kernel_operand(q)
     if cache is None:
         k, v = _kernel_operand(k), _kernel_operand(v)
@@ -324,7 +384,7 @@ def fwd_impl(
     counters = batch * nheads_k if decode else 0
     workspace = _split_workspace(q.device, _stream(q.device), splits, o_accum_floats, lse_accum_floats, counters)
     problem = _problem(family, q, k, v, out, lse, softmax_scale, causal, varlen, options, sizes, seqlen_k)
-    _launch(q.device, C.fwd, *problem, cache_arg, decode, splits, *workspace)
+    _launch(q.device, C.fwd, *problem, _stream(q.device), cache_arg, decode, splits, *workspace)
     return out, lse
 
 
@@ -465,6 +525,7 @@ def bwd_into(
         q.device,
         C.bwd,
         *problem,
+        _stream(q.device),
         _operand(dout),
         _operand(dq_k),
         dq_accum.data_ptr(),
@@ -599,10 +660,9 @@ class FwdPlan(NamedTuple):
     where dout is not read in place)."""
 
     device: int
-    head: tuple  # family, dtype code
-    strides: tuple  # q's, k's, v's and out's (batch, row, head) strides
-    sizes: tuple  # batch .. fp16_correction of _problem (seqlen_q and seqlen_k: a variable-length batch's bounds)
-    rest: tuple  # total_q .. rng_state of _problem
+    problem: Problem  # the planning call's; out: the layout of each call's out (its address a stand-in)
+    sequences: KernelVarlen  # the planning call's (the addresses: stand-ins; each call passes its own)
+    options: KernelOptions
     varlen: bool  # a variable-length batch: each call passes its cu_seqlens_q and cu_seqlens_k
     q_contiguous: bool
     lse_shape: tuple
@@ -666,14 +726,16 @@ def plan_forward(
     ):
         return None
     family = select_family(q.device)
-    if family == "sm70" and q.dtype == torch.bfloat16:
+    if not dtype_supported(family, q.dtype):
         return None
     batch, seqlen_q, nheads = sizes = _sizes(q, varlen)
     nheads_k, head_dim = k.shape[-2:]
     # (q stands in for out and lse, whose memory each call allocates: out contiguous, lse (batch, nheads, seqlen_q)
     # or (nheads, total_q))
-    problem = _problem(family, q, k, v, q, q, softmax_scale, causal, varlen, options, sizes, seqlen_k)
-    seqlen_k = problem[11]
+    problem, sequences, kernel_options = _problem(
+        family, q, k, v, q, q, softmax_scale, causal, varlen, options, sizes, seqlen_k
+    )
+    seqlen_k = problem.seqlen_k
     decode, splits, o_accum_floats, lse_accum_floats = _launch(  # (fwd_plan reads the device's size)
         q.device, compiled_module().fwd_plan, family, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
         varlen is not None, False, cache is not None, num_splits,
@@ -686,14 +748,16 @@ def plan_forward(
     stand_in = q.data_ptr()
     workspace = (stand_in, stand_in, o_accum_floats, stand_in if counters else 0) if splits > 1 else (0, 0, 0, 0)
     cache_arg = None if cache is None else _cache_arg(cache, k)
-    prepared = (*problem[:5], (stand_in, *out_strides), *problem[6:])
-    launch = _launch(q.device, compiled_module().fwd_launch, *prepared, cache_arg, decode, splits, *workspace)
+    problem = problem._replace(out=(stand_in, *out_strides))
+    launch = _launch(
+        q.device, compiled_module().fwd_launch, problem, sequences, kernel_options, _stream(q.device), cache_arg,
+        decode, splits, *workspace,
+    )  # fmt: skip
     return FwdPlan(
         q.device.index,
-        problem[:2],
-        (*(t[1:] for t in problem[2:5]), out_strides),
-        problem[7:16],
-        problem[19:],
+        problem,
+        sequences,
+        kernel_options,
         varlen is not None,
         q.is_contiguous(),
         lse_shape,
@@ -751,22 +815,21 @@ def _bwd_plan(plan: FwdPlan, dout: torch.Tensor, q, k, v) -> BwdPlan | bool:
     key = dout.stride()
     bwd = plan.bwd.get(key)
     if bwd is None:
-        family = plan.head[0]
+        problem = plan.problem
+        family, batch, nheads, seqlen_q = problem.family, problem.batch, problem.nheads, problem.seqlen_q
         bwd = False
         if readable_strides(key) and "bwd" in build_info()["families"][family]["directions"]:
-            batch, nheads, _, seqlen_q = plan.sizes[:4]
             dq_accum_floats, d_rowsum_in_dq = compiled_module().bwd_workspace(
                 family, q.shape[-1], batch, nheads, seqlen_q, plan.deterministic, q.shape[0] if plan.varlen else -1
             )
             grouped = nheads != k.shape[-2]
             kv_grad = _contiguous_strides(k.shape[:-2] + q.shape[-2:] if grouped else k.shape)
-            # (q's address, 16-byte aligned, stands in for every address: each call passes its own)
+            # (q's address, 16-byte aligned, stands in for the gradients' addresses: each call passes its own, and
+            # its own q, k, v, out, lse and offsets)
             stand_in = q.data_ptr()
-            qs, ks, vs, os_ = ((stand_in, *strides) for strides in plan.strides)
-            cu = stand_in if plan.varlen else 0
             launch = _launch(
-                q.device, compiled_module().bwd_launch, *plan.head, qs, ks, vs, os_, stand_in, *plan.sizes, 0, cu, cu,
-                *plan.rest, (stand_in, *_operand(dout)[1:]), (stand_in, *_contiguous_strides(q.shape)),
+                q.device, compiled_module().bwd_launch, problem, plan.sequences, plan.options, 0,
+                (stand_in, *_operand(dout)[1:]), (stand_in, *_contiguous_strides(q.shape)),
                 stand_in if dq_accum_floats else 0, dq_accum_floats, stand_in, (stand_in, *kv_grad),
                 (stand_in, *kv_grad), plan.deterministic,
             )  # fmt: skip
@@ -782,9 +845,12 @@ def _backward_planned(plan: FwdPlan, dout, q, k, v, out, lse, *cu_seqlens) -> tu
     bwd = _bwd_plan(plan, dout, q, k, v)
     if not bwd or dout.data_ptr() % 16 or q.device.index != _current_device():
         grads = [_empty_contiguous(t) for t in (q, k, v)]
-        varlen = Varlen(*cu_seqlens, *plan.sizes[3:5]) if plan.varlen else None
-        options = Options(*plan.rest[2:5])
-        bwd_into(*grads, dout, q, k, v, out, lse, plan.sizes[6], plan.sizes[7], plan.deterministic, varlen, options)
+        problem = plan.problem
+        varlen = Varlen(*cu_seqlens, problem.seqlen_q, problem.seqlen_k) if plan.varlen else None
+        options = Options(*plan.options[:3])  # (a planned call has neither ALiBi nor dropout)
+        bwd_into(
+            *grads, dout, q, k, v, out, lse, problem.softmax_scale, problem.causal, plan.deterministic, varlen, options
+        )
         return tuple(grads)
     dq, dk, dv = (
         torch.empty_like(t) if contiguous else torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -877,7 +943,7 @@ def run_planned_kvcache(plan: KvcachePlan, q, k_cache, v_cache, k, v, cache: Cac
         cache_arg = (cache_ptrs[0], fields[0], *cache_ptrs[1:3], *fields[1:3], cache_ptrs[3], *fields[3:])
         ks, vs, kcs, vcs, *sizes = plan.append
         operands = ((new[0], *ks), (new[1], *vs), (ptrs[1], *kcs), (ptrs[2], *vcs))
-        compiled_module().append_kv(plan.fwd.head[0], *operands, *sizes, cache_arg, _stream(q.device))
+        compiled_module().append_kv(plan.fwd.problem.family, *operands, *sizes, cache_arg, _stream(q.device))
     return _run_planned(plan.fwd, (*ptrs, 0, 0), q, keep_lse, cache_ptrs)
 
 

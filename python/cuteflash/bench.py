@@ -19,6 +19,8 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
+from . import _families
+
 # (batch, heads, seqlen, headdim)
 SUITES = {
     # small, medium, large, and very large head dims
@@ -157,7 +159,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--deterministic", action="store_true", help="cuteflash's deterministic backward pass (dQ without atomics)"
     )
-    p.add_argument("--backend", choices=["auto", "sm70", "sm80"], default="auto", help="cuteflash kernel family")
+    p.add_argument("--backend", choices=["auto", *_families.NAMES], default="auto", help="cuteflash kernel family")
     p.add_argument(
         "--layout",
         choices=["native", "bshd", "bhsd"],
@@ -948,7 +950,7 @@ def main(argv=None) -> int:
     )
     if "bwd" not in built["directions"]:
         args.forward_only = True
-    bf16_ok = family == "sm80" and "bfloat16" in built["dtypes"]
+    bf16_ok = "bf16" in _families.get(family).dtypes and "bfloat16" in built["dtypes"]
     cases = build_cases(args, bf16_ok=bf16_ok, head_dims_ok=built["head_dims"])
     varlen_runs = not args.quick and args.suite in ("default", "varlen") and VARLEN_MIXED[4] in built["head_dims"]
     options_runs = args.suite == "options" and OPTIONS_SHAPE[3] in built["head_dims"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import _families
+
 
 def describe() -> str:
     from . import __version__
@@ -50,7 +52,7 @@ def check(families: list[str]) -> list[str]:
         return [f"the compiled module does not load: {e}"]
     problems = []
     compiled = info["families"]
-    for family in families or ([] if compiled else ["sm70 or sm80"]):
+    for family in families or ([] if compiled else [" or ".join(_families.NAMES)]):
         entry = compiled.get(family)
         if entry is None or not {"fwd", "bwd"} <= set(entry["directions"]):
             problems.append(f"no {family} forward and backward kernels in this build")
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--family",
         action="append",
-        choices=["sm70", "sm80"],
+        choices=_families.NAMES,
         default=[],
         help="with --check: a family that must be compiled in (repeatable; default: any)",
     )

@@ -18,10 +18,10 @@
 // kernel computes.
 #pragma once
 
-#include "cuteflash/bwd_preprocess.cuh"
-#include "cuteflash/dropout.cuh"
-#include "cuteflash/mask.cuh"
-#include "cuteflash/params.h"
+#include "cuteflash/common/bwd_preprocess.cuh"
+#include "cuteflash/common/dropout.cuh"
+#include "cuteflash/common/mask.cuh"
+#include "cuteflash/common/params.h"
 #include "cuteflash/sm70/traits.h"
 
 namespace cuteflash::sm70 {
@@ -288,7 +288,7 @@ __device__ __forceinline__ void red_add_tile(FragAcc const& acc, float scale, fl
 
 // The loads of the dK/dV kernel's steps: Q and dO of query block m_block, from global memory into registers
 // (load) and from there into a step's region (store), or straight into it (copy), or into L2 (prefetch).
-// The kernel's loop stages them as Traits::kStaging says (tile_config.h).
+// The kernel's loop stages them as Traits::kStaging says (sm70/tiles.h).
 template <typename Traits>
 struct QdoLoads {
   static constexpr int kBlockM = Traits::kBlockM;

@@ -1,12 +1,12 @@
 // Host side of the sm70 backward: D = rowsum(dO * O), the dK/dV kernel (with dQ atomics into dq_accum,
 // which the last thread block of each head converts into dq) and, when a deterministic pass is asked
-// for, the dQ kernel instead of the atomics; on the first tile of the table (tile_config.h) that fits the device.
+// for, the dQ kernel instead of the atomics; on the first tile of the table (sm70/tiles.h) that fits the device.
 // Included by the generated src/kernels/bwd_sm70_fp16_hd<D>.cu files only.
 #pragma once
 
 #include <type_traits>
 
-#include "cuteflash/bwd_preprocess.cuh"
+#include "cuteflash/host/launch_common.cuh"
 #include "cuteflash/sm70/bwd_kernel.cuh"
 #include "cuteflash/sm70/launch.h"
 

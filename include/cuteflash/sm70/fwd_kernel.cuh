@@ -13,10 +13,10 @@
 // and O = O / l at the end.
 #pragma once
 
-#include "cuteflash/dropout.cuh"
-#include "cuteflash/mask.cuh"
-#include "cuteflash/params.h"
-#include "cuteflash/split_merge.cuh"
+#include "cuteflash/common/dropout.cuh"
+#include "cuteflash/common/mask.cuh"
+#include "cuteflash/common/params.h"
+#include "cuteflash/common/split_merge.cuh"
 #include "cuteflash/sm70/traits.h"
 
 namespace cuteflash::sm70 {

@@ -1,4 +1,4 @@
-// Host side of the sm70 forward: the first tile of the table (tile_config.h) that fits the device's shared
+// Host side of the sm70 forward: the first tile of the table (sm70/tiles.h) that fits the device's shared
 // memory (V100: 96 KB, T4: 64 KB). Included by the generated src/kernels/fwd_sm70_fp16_hd<D>.cu files only.
 #pragma once
 
@@ -6,7 +6,7 @@
 
 #include "cuteflash/sm70/launch.h"
 #include "cuteflash/sm70/fwd_kernel.cuh"
-#include "cuteflash/split_merge.cuh"
+#include "cuteflash/host/launch_common.cuh"
 
 namespace cuteflash::sm70 {
 

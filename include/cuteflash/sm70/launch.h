@@ -3,8 +3,8 @@
 
 #include <utility>
 
-#include "cuteflash/launch.h"
-#include "cuteflash/tile_config.h"
+#include "cuteflash/host/launch.h"
+#include "cuteflash/sm70/tiles.h"
 
 namespace cuteflash::sm70 {
 
@@ -33,7 +33,7 @@ void launch_choices(LaunchOne const& launch_one, char const* what, std::integer_
   launch_fitting_sm70<typename Choice<kHeadDim, kChoices>::type...>(launch_one, what, kHeadDim);
 }
 
-// launch_fitting_sm70 over the tile choices of tile_config.h: Choice<kHeadDim, i>::type for i < kSm70TileChoices.
+// launch_fitting_sm70 over the tile choices of sm70/tiles.h: Choice<kHeadDim, i>::type for i < kSm70TileChoices.
 template <template <int, int> class Choice, int kHeadDim, typename LaunchOne>
 void launch_tile_choices(LaunchOne const& launch_one, char const* what) {
   launch_choices<Choice, kHeadDim>(launch_one, what, std::make_integer_sequence<int, kSm70TileChoices>{});

@@ -1,9 +1,9 @@
 // Compile-time configuration of one sm70 kernel: tile shape, warps, shared-memory layout and the
-// schedule of the backward's steps. The tiles come from tile_config.h; this file says what each needs.
+// schedule of the backward's steps. The tiles come from sm70/tiles.h; this file says what each needs.
 #pragma once
 
 #include "cuteflash/sm70/wmma.cuh"
-#include "cuteflash/tile_config.h"
+#include "cuteflash/sm70/tiles.h"
 
 namespace cuteflash::sm70 {
 
@@ -68,7 +68,7 @@ struct FwdTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
 
-// The traits of forward tile choice i (tile_config.h) for a head dim.
+// The traits of forward tile choice i (sm70/tiles.h) for a head dim.
 template <int kHeadDim, int kChoice>
 struct FwdTraitsChoice {
   static constexpr TileConfig kTile = sm70_fwd_tile_choice(kHeadDim, kChoice);
@@ -181,7 +181,7 @@ struct BwdTraits {
   }
 };
 
-// The traits of backward tile choice i (tile_config.h) for a head dim.
+// The traits of backward tile choice i (sm70/tiles.h) for a head dim.
 template <int kHeadDim, int kChoice>
 struct BwdTraitsChoice {
   static constexpr Sm70BwdTile kTile = sm70_bwd_tile_choice(kHeadDim, kChoice);

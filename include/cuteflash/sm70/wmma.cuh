@@ -7,7 +7,7 @@
 
 #include <type_traits>
 
-#include "cuteflash/utils.cuh"
+#include "cuteflash/common/utils.cuh"
 
 namespace cuteflash::sm70 {
 

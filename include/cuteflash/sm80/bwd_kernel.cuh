@@ -10,13 +10,13 @@
 // (double-buffered) is issued right after S, dO once dV has read the current one.
 #pragma once
 
-#include "cuteflash/bwd_preprocess.cuh"
-#include "cuteflash/dropout.cuh"
-#include "cuteflash/mask.cuh"
-#include "cuteflash/params.h"
+#include "cuteflash/common/bwd_preprocess.cuh"
+#include "cuteflash/common/dropout.cuh"
+#include "cuteflash/common/mask.cuh"
+#include "cuteflash/common/params.h"
 #include "cuteflash/sm80/fwd_kernel.cuh"
 #include "cuteflash/sm80/traits.h"
-#include "cuteflash/utils.cuh"
+#include "cuteflash/common/utils.cuh"
 
 namespace cuteflash::sm80 {
 

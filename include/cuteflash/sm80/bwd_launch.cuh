@@ -2,8 +2,8 @@
 // asked for a deterministic pass. Included by the generated src/kernels/bwd_sm80_<dtype>_hd<D>.cu only.
 #pragma once
 
-#include "cuteflash/bwd_preprocess.cuh"
-#include "cuteflash/launch.h"
+#include "cuteflash/host/launch_common.cuh"
+#include "cuteflash/host/launch.h"
 #include "cuteflash/sm80/bwd_kernel.cuh"
 
 namespace cuteflash::sm80 {

@@ -8,13 +8,13 @@
 // dropout (has_dropout), P's dropped entries are zeroed after the row sums and O is scaled by 1 / (1 - p) at the end.
 #pragma once
 
-#include "cuteflash/dropout.cuh"
-#include "cuteflash/mask.cuh"
-#include "cuteflash/params.h"
-#include "cuteflash/softmax.cuh"
-#include "cuteflash/split_merge.cuh"
+#include "cuteflash/common/dropout.cuh"
+#include "cuteflash/common/mask.cuh"
+#include "cuteflash/common/params.h"
+#include "cuteflash/common/softmax.cuh"
+#include "cuteflash/common/split_merge.cuh"
 #include "cuteflash/sm80/traits.h"
-#include "cuteflash/utils.cuh"
+#include "cuteflash/common/utils.cuh"
 
 namespace cuteflash::sm80 {
 

@@ -2,7 +2,7 @@
 // launches. Included by the generated src/kernels/fwd_sm80_<dtype>_hd<D>.cu files only.
 #pragma once
 
-#include "cuteflash/launch.h"
+#include "cuteflash/host/launch_common.cuh"
 #include "cuteflash/sm80/fwd_kernel.cuh"
 
 namespace cuteflash::sm80 {

@@ -6,7 +6,7 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuteflash/tile_config.h"
+#include "cuteflash/sm80/tiles.h"
 
 namespace cuteflash::sm80 {
 

@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "cuteflash/dropout.cuh"
+#include "cuteflash/common/dropout.cuh"
 
 namespace cuteflash {
 
@@ -30,13 +30,6 @@ static __global__ void dropout_mask_kernel(const FwdParams p, uint8_t* keep, int
       out[int64_t(r) * cols + c] = dropout_keeps(e < 4 ? draw.x : draw.y, e % 4, dropout.threshold);
     }
   }
-}
-
-static void launch_dropout_mask(FwdParams const& p, uint8_t* keep, int rows, int cols, cudaStream_t stream) {
-  const int64_t units = int64_t(rows / 2) * (cols / 4);
-  const dim3 grid(unsigned(std::min<int64_t>((units + 255) / 256, 1024)), p.nheads, p.batch);
-  dropout_mask_kernel<<<grid, 256, 0, stream>>>(p, keep, rows, cols);
-  check_cuda(cudaGetLastError(), "launching the dropout mask kernel");
 }
 
 }  // namespace cuteflash

@@ -10,8 +10,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
-#include "cuteflash/device.h"
-#include "cuteflash/params.h"
+#include "cuteflash/host/device.h"
+#include "cuteflash/common/params.h"
 
 namespace cuteflash {
 

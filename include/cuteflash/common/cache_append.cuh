@@ -9,8 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "cuteflash/launch.h"
-#include "cuteflash/params.h"
+#include "cuteflash/common/params.h"
 
 namespace cuteflash {
 
@@ -37,13 +36,6 @@ static __global__ void __launch_bounds__(256) append_kv_kernel(const AppendParam
     *reinterpret_cast<uint4*>(a.v_cache.at<uint16_t>(cache_batch, head, row) + c * 8) =
         *reinterpret_cast<uint4 const*>(a.v_new.at<uint16_t const>(b, head, t) + c * 8);
   }
-}
-
-inline void run_append_kv(AppendParams const& a, cudaStream_t stream) {
-  const int64_t total = int64_t(a.batch) * a.seqlen_new * a.nheads_k * (a.head_dim / 8);
-  if (total == 0) return;
-  const int blocks = int(std::min<int64_t>((total + 255) / 256, 8192));
-  launch(&append_kv_kernel, dim3(blocks), 256, 0, stream, a, "KV cache append");
 }
 
 }  // namespace cuteflash

@@ -3,7 +3,7 @@
 // per-sequence lengths alike. Plain C++ with no CUDA types, so that the host uses and tests it too.
 #pragma once
 
-#include "cuteflash/params.h"  // CUTEFLASH_HOST_DEVICE
+#include "cuteflash/common/params.h"  // CUTEFLASH_HOST_DEVICE
 
 namespace cuteflash {
 

@@ -8,9 +8,9 @@
 
 #include <cutlass/array.h>
 
-#include "cuteflash/launch.h"
-#include "cuteflash/params.h"
-#include "cuteflash/tile_config.h"
+#include "cuteflash/common/params.h"
+#include "cuteflash/common/tiles.h"
+#include "cuteflash/common/utils.cuh"
 
 namespace cuteflash {
 
@@ -124,18 +124,6 @@ __global__ void __launch_bounds__(128) merge_splits_kernel(const FwdParams p) {
   const int i = int(row % p.seqlen_q), head = int(row / p.seqlen_q % p.nheads),
             batch = int(row / p.seqlen_q / p.nheads);
   merge_split_row<Element, kHeadDim, kInFlight>(p, batch, head, i, threadIdx.x % 32);
-}
-
-// Host side: merges p.num_splits (> 1) splits into p.o and p.lse.
-template <typename Element, int kHeadDim>
-void merge_splits(FwdParams const& p, cudaStream_t stream) {
-  const int64_t rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
-  const dim3 grid(unsigned((rows + 3) / 4));
-  if (p.num_splits <= 4) {  // the tiled kernels' splits of many rows, mostly
-    launch(&merge_splits_kernel<Element, kHeadDim, 4>, grid, 128, 0, stream, p, "split merge");
-  } else {
-    launch(&merge_splits_kernel<Element, kHeadDim, 16>, grid, 128, 0, stream, p, "split merge");
-  }
 }
 
 }  // namespace cuteflash

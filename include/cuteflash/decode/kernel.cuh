@@ -22,12 +22,11 @@
 #include <cute/arch/mma_sm80.hpp>
 #include <type_traits>
 
-#include "cuteflash/launch.h"
-#include "cuteflash/mask.cuh"
+#include "cuteflash/host/launch_common.cuh"
+#include "cuteflash/common/mask.cuh"
 #include "cuteflash/sm70/wmma.cuh"
-#include "cuteflash/split_merge.cuh"
-#include "cuteflash/tile_config.h"
-#include "cuteflash/utils.cuh"
+#include "cuteflash/decode/config.h"
+#include "cuteflash/common/utils.cuh"
 
 namespace cuteflash {
 
@@ -43,7 +42,7 @@ struct DecodeTraits {
   static constexpr int kRows = kRows_;  // query rows held (a block serves up to this many)
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
-  // tile_config.h: the lanes that read a key row, 8 elements (16 bytes) each; the loads of K and of V per lane and
+  // decode/config.h: the lanes that read a key row, 8 elements (16 bytes) each; the loads of K and of V per lane and
   // chunk; with kAsync (cp.async, the sm80 family), the chunks in flight in shared memory, else one in registers.
   static constexpr int kLanesPerKey = decode_lanes_per_key(kHeadDim);
   static constexpr int kKeysPerStep = 32 / kLanesPerKey;

@@ -3,9 +3,9 @@
 // dq_accum regions (params.h) with the conversion of a row-major one into dq.
 #pragma once
 
-#include "cuteflash/launch.h"
-#include "cuteflash/params.h"
-#include "cuteflash/sequence.cuh"
+#include "cuteflash/common/params.h"
+#include "cuteflash/common/sequence.cuh"
+#include "cuteflash/common/utils.cuh"
 
 namespace cuteflash {
 
@@ -110,17 +110,6 @@ __device__ void convert_dq_rowmajor(BwdParams const& p, Sequence const& seq, int
       }
     }
   }
-}
-
-template <typename Element, int kHeadDim>
-void launch_bwd_preprocess(BwdParams const& p, cudaStream_t stream) {
-  using Pre = Preprocess<Element, kHeadDim>;
-  const int rows = p.deterministic ? p.seqlen_q : dq_accum_rows(p.seqlen_q);
-  dim3 grid(ceil_div(rows, Pre::kRowsPerBlock), p.nheads, p.batch);
-  for_batch_kind(p, [&](auto batch_kind) {
-    launch(&bwd_preprocess_kernel<Element, kHeadDim, batch_kind()>, grid, Pre::kThreads, 0, stream, p,
-           "backward preprocess");
-  });
 }
 
 }  // namespace cuteflash

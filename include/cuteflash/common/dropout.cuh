@@ -16,8 +16,8 @@
 
 #include <cstdint>
 
-#include "cuteflash/params.h"
-#include "cuteflash/utils.cuh"
+#include "cuteflash/common/params.h"
+#include "cuteflash/common/utils.cuh"
 
 namespace cuteflash {
 

@@ -11,9 +11,9 @@
 #include <string>
 #include <type_traits>
 
-#include "cuteflash/device.h"
-#include "cuteflash/sequence.cuh"
-#include "cuteflash/utils.cuh"
+#include "cuteflash/host/device.h"
+#include "cuteflash/common/sequence.cuh"
+#include "cuteflash/common/utils.cuh"
 
 namespace cuteflash {
 

@@ -7,7 +7,7 @@
 // sequence (for_each_tile), so that a sequence longer than the bound is still computed whole.
 #pragma once
 
-#include "cuteflash/params.h"
+#include "cuteflash/common/params.h"
 
 namespace cuteflash {
 

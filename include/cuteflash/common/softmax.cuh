@@ -4,7 +4,7 @@
 
 #include <type_traits>
 
-#include "cuteflash/utils.cuh"
+#include "cuteflash/common/utils.cuh"
 
 namespace cuteflash {
 

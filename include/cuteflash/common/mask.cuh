@@ -5,10 +5,10 @@
 #include <cstddef>
 #include <type_traits>
 
-#include "cuteflash/mask.h"
-#include "cuteflash/params.h"
-#include "cuteflash/sequence.cuh"
-#include "cuteflash/utils.cuh"
+#include "cuteflash/common/mask.h"
+#include "cuteflash/common/params.h"
+#include "cuteflash/common/sequence.cuh"
+#include "cuteflash/common/utils.cuh"
 
 namespace cuteflash {
 

@@ -1,0 +1,104 @@
+"""The family registry (python/cuteflash/_families.py): the one place that names a kernel family. Each family's
+folder provides what the generated sources include, and no other build or host file names a family."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from cuteflash import _families
+
+ROOT = Path(__file__).resolve().parents[1]
+INCLUDE = ROOT / "include" / "cuteflash"
+
+pytestmark = pytest.mark.skipif(not INCLUDE.exists(), reason="needs the source tree")
+
+
+@pytest.mark.parametrize("family", _families.NAMES)
+def test_each_family_folder_provides_the_launchers_and_traits(family):
+    folder = INCLUDE / family
+    for direction in ("fwd", "bwd", "decode"):
+        text = (folder / f"{direction}_launch.cuh").read_text()
+        assert f"namespace cuteflash::{family}" in text and f"void run_{direction}(" in text
+    tiles = (folder / "tiles.h").read_text()
+    assert f"namespace cuteflash::{family}" in tiles and "struct FamilyTraits" in tiles
+    for constant in ("kDecodeCpAsync", "kRowsumInDq", "split_tile"):
+        assert constant in tiles
+
+
+def test_entries_are_consistent():
+    assert len(set(_families.NAMES)) == len(_families.NAMES)
+    for family in _families.FAMILIES:
+        assert set(family.dtypes) <= set(_families.DTYPES) and family.dtypes
+        assert set(family.directions) <= set(_families.DIRECTIONS) and family.directions
+        assert family.cc_max is None or family.cc_max >= family.cc_min
+        assert set(family.build_seconds) == {"fwd", "bwd", "decode"}
+
+
+@pytest.mark.parametrize(
+    "cc,preferred", [(70, "sm70"), (75, "sm70"), (80, "sm80"), (86, "sm80"), (90, "sm80"), (120, "sm80"), (61, None)]
+)
+def test_the_preferred_family_of_a_gpu(cc, preferred):
+    serving = _families.serving(cc)
+    assert (serving[0].name if serving else None) == preferred
+
+
+def _python_code_names(path: Path, pattern: re.Pattern) -> list[str]:
+    """The string constants (docstrings aside) and identifiers of a Python file that match pattern."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+        elif isinstance(node, ast.Name):
+            text = node.id
+        elif isinstance(node, ast.Attribute):
+            text = node.attr
+        else:
+            continue
+        if pattern.search(text):
+            found.append(f"{path.name}:{node.lineno}: {text!r}")
+    return found
+
+
+def _cpp_names(paths, pattern: re.Pattern) -> list[str]:
+    found = []
+    for path in paths:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(re.split(r"//|#", line, maxsplit=1)[0]):
+                found.append(f"{path.name}:{number}: {line.strip()}")
+    return found
+
+
+FAMILY_NAME = re.compile(r"\b(" + "|".join(_families.NAMES) + r")\b", re.IGNORECASE)
+
+
+def test_no_other_build_or_host_file_names_a_family():
+    # Family names in code (string literals, identifiers) outside the registry and the family folders: the binding,
+    # the generator, CMake, the shared and host headers, and the Python that selects and calls the kernels.
+    # Comments and docstrings may name them.
+    paths = [ROOT / "CMakeLists.txt", ROOT / "src" / "api.cpp", *(INCLUDE / "common").iterdir(),
+             *(INCLUDE / "host").iterdir()]  # fmt: skip
+    found = _cpp_names(paths, FAMILY_NAME)
+    for name in ("_arch.py", "_lib.py", "_ops.py", "info.py", "bench.py", "interface.py"):
+        found += _python_code_names(ROOT / "python" / "cuteflash" / name, FAMILY_NAME)
+    found += _python_code_names(ROOT / "src" / "kernels" / "generate.py", FAMILY_NAME)
+    assert not found, "named outside the registry:\n" + "\n".join(found)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="decode/kernel.cuh still runs the sm70 family's WMMA fragments itself; its rewrite into passes moves the "
+    "tensor-core products behind a family hook",
+)
+def test_the_decoding_kernel_names_no_family():
+    assert not _cpp_names(sorted((INCLUDE / "decode").iterdir()), FAMILY_NAME)
