@@ -237,6 +237,61 @@ struct PagedTiles {
   }
 };
 
+// A query block whose keys (this split's) are none: O = 0 and lse = +inf, or, where the keys are split, lse_accum
+// -inf, which tells the merge to read no O of this split. tid: the thread's index; thread() reads it anew (fwd_block).
+template <typename Traits, Variant V, typename SmemO, typename GmemO, typename Thread>
+__device__ __forceinline__ void fwd_no_keys(FwdParams const& p, Sequence const& seq, int head, int m_block, SmemO& sO,
+                                            GmemO& gO, float* lse, int rows_left, int tid, Thread const& thread) {
+  if (!splits_keys<V>(p)) {
+    store_empty_block<Traits>(sO, gO, lse, p, rows_left, thread());
+  } else {
+    for (int row = tid; row < min(rows_left, Traits::kBlockM); row += Traits::kNThreads) {
+      p.lse_accum[split_row(p, key_split(p), seq.batch, head, m_block * Traits::kBlockM + row)] = -INFINITY;
+    }
+  }
+}
+
+// The end of a query block: O /= l and lse = m * scale + log(l), then O through shared memory for 16-byte stores, or,
+// where the keys are split, the split's part of O and its lse to o_accum and lse_accum (store_partial).
+// acc_o: (MMA, MMA_M, MMA_N) over (kBlockM, kHeadDim); acc_o_rc its (rows, cols) view.
+template <typename Traits, Variant V, bool kPaged, typename Softmax, typename AccO, typename AccORowCol,
+          typename ThrMma, typename TiledMma, typename GmemO, typename Thread>
+__device__ __forceinline__ void fwd_epilogue(FwdParams const& p, Sequence const& seq, int head, int m_block,
+                                             Softmax& softmax, AccO& acc_o, AccORowCol& acc_o_rc, ThrMma const& thr_mma,
+                                             TiledMma const& tiled_mma, typename Traits::SharedStorage& smem, GmemO& gO,
+                                             float* lse, int rows_left, Thread const& thread) {
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+  float row_lse[kRows];
+  softmax.finalize(acc_o_rc, p.softmax_scale, row_lse);
+  if constexpr (has_dropout(V)) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= p.dropout_scale;
+  }
+  Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  if (splits_keys<V>(p)) {
+    static_assert(sizeof(typename Traits::SharedStorage) >= kBlockM * kHeadDim * sizeof(float));
+    __syncthreads();  // the whole of the shared memory is free
+    // Staged but in the paged kernels: at head dim 128 (ptxas, sm_90), the other way round grows the spill loads
+    // by a third in the general kernel, which stores straight then, and by three quarters in the paged one.
+    store_partial<!kPaged, kBlockM, kHeadDim, Traits::kNThreads>(p, seq, head, m_block * kBlockM, acc_o_rc, tOcO_rc,
+                                                                 row_lse, rows_left, reinterpret_cast<float*>(&smem),
+                                                                 thread());
+    return;
+  }
+  if (get<1>(tOcO_rc(0, 0)) == 0) {  // the first thread of each quad writes the quad's rows
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      int row = get<0>(tOcO_rc(mi, 0));
+      if (row < rows_left) lse[row] = row_lse[mi];
+    }
+  }
+  __syncthreads();  // sO aliases sQ
+  store_acc_tile<Traits, kBlockM>(acc_o, tiled_mma, smem.o.data(), gO, rows_left, p.head_dim, thread());
+}
+
 // Query block m_block of one (sequence, head); where the keys are split (splits_keys), split key_split(p) of them.
 template <typename Traits, Variant V, bool kPaged>
 __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& seq, int head, int m_block) {
@@ -272,16 +327,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   // left (has_options), those below keys.unmasked_begin with a mask again. Split keys: this split's part of them.
   BlockRange keys = mask_policy<V>(p, seq).template key_blocks<kBlockM, kBlockN>(m_block);
   if (splits_keys<V>(p)) keys = keys.split(key_split(p), p.num_splits);
-  if (keys.empty()) {
-    if (!splits_keys<V>(p)) {
-      store_empty_block<Traits>(sO, gO, lse, p, rows_left, thread());
-    } else {  // no O: the merge reads none where lse is -inf
-      for (int row = tid; row < min(rows_left, kBlockM); row += Traits::kNThreads) {
-        p.lse_accum[split_row(p, key_split(p), seq.batch, head, m_block * kBlockM + row)] = -INFINITY;
-      }
-    }
-    return;
-  }
+  if (keys.empty()) return fwd_no_keys<Traits, V>(p, seq, head, m_block, sO, gO, lse, rows_left, tid, thread);
 
   // ---- Load Q and the last K block (cp.async, zero-filled past seqlen and head_dim).
   typename Traits::GmemTiledCopyQKV gmem_copy;
@@ -392,34 +438,8 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{}, cute::true_type{});
   }
 
-  // ---- Epilogue: O /= l, lse = m * scale + log(l); O goes through shared memory for 16-byte stores.
-  float row_lse[kRows];
-  softmax.finalize(acc_o_rc, p.softmax_scale, row_lse);
-  if constexpr (has_dropout(V)) {
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= p.dropout_scale;
-  }
-  Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
-  if (splits_keys<V>(p)) {
-    static_assert(sizeof(typename Traits::SharedStorage) >= kBlockM * kHeadDim * sizeof(float));
-    __syncthreads();  // the whole of the shared memory is free
-    // Staged but in the paged kernels: at head dim 128 (ptxas, sm_90), the other way round grows the spill loads
-    // by a third in the general kernel, which stores straight then, and by three quarters in the paged one.
-    store_partial<!kPaged, kBlockM, kHeadDim, Traits::kNThreads>(p, seq, head, m_block * kBlockM, acc_o_rc, tOcO_rc,
-                                                                 row_lse, rows_left, reinterpret_cast<float*>(smem_raw),
-                                                                 thread());
-    return;
-  }
-  if (get<1>(tOcO_rc(0, 0)) == 0) {  // the first thread of each quad writes the quad's rows
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      int row = get<0>(tOcO_rc(mi, 0));
-      if (row < rows_left) lse[row] = row_lse[mi];
-    }
-  }
-  __syncthreads();  // sO aliases sQ
-  store_acc_tile<Traits, kBlockM>(acc_o, tiled_mma, smem.o.data(), gO, rows_left, p.head_dim, thread());
+  fwd_epilogue<Traits, V, kPaged>(p, seq, head, m_block, softmax, acc_o, acc_o_rc, thr_mma, tiled_mma, smem, gO, lse,
+                                  rows_left, thread);
 }
 
 // One thread block per query block of each (sequence, head) and split of the keys (sequence.cuh's
