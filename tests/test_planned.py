@@ -161,7 +161,7 @@ def test_the_environment_picks_the_plan(make_qkv, monkeypatch):
     for family in ("sm80", "sm70", "sm80"):
         monkeypatch.setenv("CUTEFLASH_BACKEND", family)
         flash_attn_func(q, k, v)
-        assert interface._plans[_key(q, k, v, {})].head[0] == family
+        assert interface._plans[_key(q, k, v, {})].problem.family == family
 
 
 def _varlen_call(q, k, v, cu_q, cu_k, max_q, max_k, dout, **kwargs):

@@ -116,16 +116,19 @@ def call_c(direction="fwd", **overrides):
         for name, ptr in (("dout", 4096), ("dq", 4352), ("dk", 4608), ("dv", 4864)):
             args.setdefault(name, (ptr, (64, 64, 64)))
         args = {"dq_accum": 8192, "dq_accum_floats": 1 << 20, "d_rowsum": 6144, "deterministic": False, **args}
-    operands = {  # (ptr, strides) as the module's operand tuples
-        name: (ptr, *strides) for name, value in args.items() if isinstance(value, tuple) for ptr, strides in [value]
+    from cuteflash._ops import FIXED_LENGTH, NO_KERNEL_OPTIONS, Problem
+
+    args = {  # (ptr, strides) as the module's operand tuples
+        name: (value[0], *value[1]) if isinstance(value, tuple) else value for name, value in args.items()
     }
-    getattr(C, direction)(**{**args, **operands})
+    problem = Problem(*(args.pop(field) for field in Problem._fields))
+    getattr(C, direction)(problem, FIXED_LENGTH, NO_KERNEL_OPTIONS, **args)
 
 
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"family": "sm60"}, "unknown kernel family"),
+        ({"family": "sm60"}, "no kernel family 'sm60' is compiled into this build"),
         ({"dtype": 7}, "unknown dtype"),
         ({"head_dim": 12}, "multiple of 8"),
         ({"head_dim": 264}, "at most 256"),
