@@ -94,6 +94,50 @@ __device__ __forceinline__ float* dq_accum_slots(BwdParams const& p, Sequence co
          threadIdx.x * kDqAccumVec;
 }
 
+// dQ += dS K for query block m_block, added to dq_accum with fp32 reductions (whole blocks: rows past seqlen_q and
+// columns past head_dim add zeros to the padding). The operands as bwd_block partitions them.
+template <typename Traits, typename MmaDq, typename RegDs, typename RegKt, typename SmemDs, typename SmemKt,
+          typename CopyA, typename ThrA, typename CopyB, typename ThrB>
+__device__ __forceinline__ void add_dq(BwdParams const& p, Sequence const& seq, int head, int m_block,
+                                       MmaDq const& mma_dq, RegDs& tdQrdS, RegKt& tdQrKt, SmemDs const& tdQsdS,
+                                       SmemKt const& tdQsKt, CopyA const& copy_a_dq, ThrA const& thr_a_dq,
+                                       CopyB const& copy_b_dq, ThrB const& thr_b_dq) {
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});  // (MMA, M, D)
+  clear(acc_dq);
+  gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq, thr_b_dq);
+  float* slots = dq_accum_slots<Traits>(p, seq, head, m_block);  // no bounds checks: whole blocks
+  static_assert(decltype(size(acc_dq))::value % kDqAccumVec == 0);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); i += kDqAccumVec) {
+    if constexpr (kDqAccumVec == 4) {
+      global_red_add_v4(slots + i * Traits::kNThreads, &acc_dq(i));
+    } else {
+      global_red_add(slots + i * Traits::kNThreads, acc_dq(i));
+    }
+  }
+}
+
+// The end of a key block: dK and dV through the shared memory of K and V (no warp reads them any more); a key block no
+// query sees gets zeros. With dropout, dV's products took the kept probabilities without 1 / (1 - p): scaled here.
+template <typename Traits, Variant V, typename AccDk, typename MmaDkv>
+__device__ __forceinline__ void bwd_epilogue(BwdParams const& p, Sequence const& seq, int head, int n_block,
+                                             AccDk& acc_dk, AccDk& acc_dv, MmaDkv const& mma_dkv,
+                                             typename Traits::SharedStorage& smem, int keys_left) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  Tensor gdK = head_rows<kBlockN, kHeadDim, Element>(p.dk, seq.batch, head, seq.k_row0).block(n_block);
+  Tensor gdV = head_rows<kBlockN, kHeadDim, Element>(p.dv, seq.batch, head, seq.k_row0).block(n_block);
+  __syncthreads();  // no warp reads K or V any more
+  if constexpr (has_dropout(V)) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dv); ++i) acc_dv(i) *= p.dropout_scale;
+  }
+  using Fwd = typename Traits::Fwd;
+  store_acc_tile<Fwd, kBlockN>(acc_dk, mma_dkv, smem.k.data(), gdK, keys_left, p.head_dim, threadIdx.x);
+  store_acc_tile<Fwd, kBlockN>(acc_dv, mma_dkv, smem.v.data(), gdV, keys_left, p.head_dim, threadIdx.x);
+}
+
 // Key block n_block of one (sequence, head).
 template <typename Traits, Variant V>
 __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& seq, int head, int n_block) {
@@ -290,37 +334,16 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
     }
     // dQ last: the registers its reductions read are reused by the next step's first products only after
     // the loop's barrier, not by dK's fragment loads right away, which would wait for the reductions.
-    if (!p.deterministic) {  // rows past seqlen_q and columns past head_dim add zeros to the padding
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
-      clear(acc_dq);
-      gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq, thr_b_dq);
-      float* slots = dq_accum_slots<Traits>(p, seq, head, m_block);  // no bounds checks: whole blocks
-      static_assert(decltype(size(acc_dq))::value % kDqAccumVec == 0);
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); i += kDqAccumVec) {
-        if constexpr (kDqAccumVec == 4) {
-          global_red_add_v4(slots + i * Traits::kNThreads, &acc_dq(i));
-        } else {
-          global_red_add(slots + i * Traits::kNThreads, acc_dq(i));
-        }
-      }
+    if (!p.deterministic) {
+      add_dq<Traits>(p, seq, head, m_block, mma_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, thr_a_dq, copy_b_dq,
+                     thr_b_dq);
     }
     q_stage ^= kQStages - 1;
   };
   for (int m_block = queries.begin; m_block < queries.end; ++m_block) step_with_options<V>(p, queries, m_block, step);
   cp_async_wait<0>();
 
-  // ---- Epilogue: dK and dV through the shared memory of K and V; a key block no query sees gets zeros.
-  Tensor gdK = head_rows<kBlockN, kHeadDim, Element>(p.dk, seq.batch, head, seq.k_row0).block(n_block);
-  Tensor gdV = head_rows<kBlockN, kHeadDim, Element>(p.dv, seq.batch, head, seq.k_row0).block(n_block);
-  __syncthreads();                 // no warp reads K or V any more
-  if constexpr (has_dropout(V)) {  // dV's products took the kept probabilities without 1 / (1 - p)
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dv); ++i) acc_dv(i) *= p.dropout_scale;
-  }
-  using Fwd = typename Traits::Fwd;
-  store_acc_tile<Fwd, kBlockN>(acc_dk, mma_dkv, smem.k.data(), gdK, keys_left, p.head_dim, threadIdx.x);
-  store_acc_tile<Fwd, kBlockN>(acc_dv, mma_dkv, smem.v.data(), gdV, keys_left, p.head_dim, threadIdx.x);
+  bwd_epilogue<Traits, V>(p, seq, head, n_block, acc_dk, acc_dv, mma_dkv, smem, keys_left);
 }
 
 // One thread block per key block of each (sequence, head) (sequence.cuh).
