@@ -50,7 +50,7 @@ def test_rerun_keeps_unchanged_files(tmp_path):
     assert before == {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
 
 
-def test_head_dims_come_from_tile_config():
+def test_head_dims_come_from_the_common_tiles():
     sys.path.insert(0, str(GENERATOR.parent))
     try:
         import generate as gen

@@ -9,7 +9,7 @@ from cuteflash import flash_attn_func
 
 pytestmark = pytest.mark.gpu
 
-# sm80 backward tiles (tile_config.h) within 99 KB: up to head dim 160 (64 x 64 for 96 and 128). Head
+# sm80 backward tiles (sm80/tiles.h) within 99 KB: up to head dim 160 (64 x 64 for 96 and 128). Head
 # dims 192-256 (112-144 KB) have none yet and must fail with a clear error. An A100 runs them all.
 SM80_BACKWARD_FITS_99KB = {64, 96, 128, 160}
 

@@ -20,13 +20,13 @@ BACKEND_ENV = "CUTEFLASH_BACKEND"
 
 @functools.cache
 def kernel_head_dims() -> tuple[int, ...]:
-    """The head dims with a kernel in the tile table (include/cuteflash/tile_config.h), compiled in or not."""
+    """The head dims with a kernel in the tile table (include/cuteflash/common/tiles.h), compiled in or not."""
     return tuple(compiled_module().build_info()["kernel_head_dims"])
 
 
 def kernel_head_dim(head_dim: int) -> int | None:
     """The kernel head dim that serves head_dim: the smallest that holds it after padding to a multiple of 8
-    (round_up_head_dim in tile_config.h); None above the largest."""
+    (round_up_head_dim in common/tiles.h); None above the largest."""
     padded = -(-head_dim // 8) * 8
     return next((hd for hd in kernel_head_dims() if hd >= padded), None)
 
