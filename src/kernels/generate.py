@@ -66,7 +66,7 @@ def probe_source(family: str) -> str:
     return (
         HEADER
         + "#include <cuda_runtime.h>\n\n"
-        + '#include "cuteflash/host/launch_common.cuh"\n\n'
+        + '#include "cuteflash/host/probe_kernels.cuh"\n\n'
         + "namespace cuteflash {\n\n"
         + f"__global__ void probe_kernel_{family}() {{}}\n\n"
         + f"bool family_runs_{family}() {{\n"

@@ -1,17 +1,13 @@
-// The launchers of the kernels that every family shares (common/): the merge of a forward pass's key splits, the
-// backward's preprocess, the KV cache append and the dropout mask. Each family's sources compile them for their
-// own targets; the append and the mask live in the family's probe source (src/kernels/generate.py), with internal
-// linkage, so that each family calls its own.
+// The launchers of the kernels that every family shares (common/) and that its kernels launch: the merge of a forward
+// pass's key splits and the backward's preprocess. Each family's sources compile them for their own targets. (The KV
+// cache append and the dropout mask: host/probe_kernels.cuh.)
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "cuteflash/common/bwd_preprocess.cuh"
-#include "cuteflash/common/cache_append.cuh"
-#include "cuteflash/common/dropout_mask.cuh"
 #include "cuteflash/common/split_merge.cuh"
 #include "cuteflash/host/launch.h"
 
@@ -39,20 +35,6 @@ void launch_bwd_preprocess(BwdParams const& p, cudaStream_t stream) {
     launch(&bwd_preprocess_kernel<Element, kHeadDim, batch_kind()>, grid, Pre::kThreads, 0, stream, p,
            "backward preprocess");
   });
-}
-
-static void run_append_kv(AppendParams const& a, cudaStream_t stream) {
-  const int64_t total = int64_t(a.batch) * a.seqlen_new * a.nheads_k * (a.head_dim / 8);
-  if (total == 0) return;
-  const int blocks = int(std::min<int64_t>((total + 255) / 256, 8192));
-  launch(&append_kv_kernel, dim3(blocks), 256, 0, stream, a, "KV cache append");
-}
-
-static void launch_dropout_mask(FwdParams const& p, uint8_t* keep, int rows, int cols, cudaStream_t stream) {
-  const int64_t units = int64_t(rows / 2) * (cols / 4);
-  const dim3 grid(unsigned(std::min<int64_t>((units + 255) / 256, 1024)), p.nheads, p.batch);
-  dropout_mask_kernel<<<grid, 256, 0, stream>>>(p, keep, rows, cols);
-  check_cuda(cudaGetLastError(), "launching the dropout mask kernel");
 }
 
 }  // namespace cuteflash
