@@ -130,17 +130,23 @@ def get_requires_for_build_wheel(config_settings=None) -> list[str]:
 
 def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None) -> str:
     refuse_to_replace_official()
-    dist_info = Path(metadata_directory) / _dist_info_name()
-    dist_info.mkdir(parents=True, exist_ok=True)
-    for name, data in _dist_info_files().items():
-        (dist_info / name).write_bytes(data)
-    return dist_info.name
+    return write_metadata(metadata_directory, _dist_info_name(), _dist_info_files())
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None) -> str:
     refuse_to_replace_official()
     wheel_name = f"flash_attn-{version()}-py3-none-any.whl"
     return write_wheel(wheel_directory, wheel_name, _dist_info_name(), _package_files(), _dist_info_files())
+
+
+def write_metadata(metadata_directory, dist_info: str, dist_info_files: dict) -> str:
+    """Writes dist_info_files into metadata_directory/dist_info (prepare_metadata_for_build_wheel); returns
+    dist_info. Also compat3/build_backend.py's."""
+    folder = Path(metadata_directory) / dist_info
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in dist_info_files.items():
+        (folder / name).write_bytes(data)
+    return dist_info
 
 
 def write_wheel(wheel_directory, wheel_name: str, dist_info: str, files: dict, dist_info_files: dict) -> str:

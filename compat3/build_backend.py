@@ -91,11 +91,7 @@ def get_requires_for_build_wheel(config_settings=None) -> list[str]:
 
 def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None) -> str:
     refuse_to_replace_official()
-    dist_info = Path(metadata_directory) / _dist_info_name()
-    dist_info.mkdir(parents=True, exist_ok=True)
-    for name, data in _dist_info_files().items():
-        (dist_info / name).write_bytes(data)
-    return dist_info.name
+    return _shared.write_metadata(metadata_directory, _dist_info_name(), _dist_info_files())
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None) -> str:
