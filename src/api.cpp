@@ -33,11 +33,11 @@ constexpr char const* kDTypeNames[] = {"float16", "bfloat16"};
 // The index of a compiled family (host/registry.h) by its name.
 int parse_family(std::string const& name) {
   std::vector<FamilyInfo> const& families = compiled_families();
-  std::string names;
   for (size_t i = 0; i < families.size(); ++i) {
     if (name == families[i].name) return int(i);
-    names += (i > 0 ? ", " : "") + std::string(families[i].name);
   }
+  std::string names;  // (only for the message: every launch parses its family)
+  for (FamilyInfo const& family : families) names += (names.empty() ? "" : ", ") + std::string(family.name);
   throw std::invalid_argument("cuteflash: no kernel family '" + name + "' is compiled into this build (compiled: " +
                               (names.empty() ? std::string("none") : names) + ")");
 }
@@ -308,8 +308,9 @@ int decode_split_count(int family, int batch, int nheads, int nheads_k, int seql
 constexpr int kMaxFamilies = 8;
 
 void require_family_runs(int family) {
-  static std::array<std::atomic<int8_t>, kMaxFamilies * kMaxDevices> known{};  // 0: not asked, 1: runs, -1: does not
-  require(family < kMaxFamilies, "more kernel families than kMaxFamilies");
+  static std::array<std::atomic<int8_t>, kMaxFamilies * kMaxDevices> known{};   // 0: not asked, 1: runs, -1: does not
+  static const bool fits = compiled_families().size() <= size_t(kMaxFamilies);  // (asked once, not per launch)
+  if (!fits) throw std::logic_error("cuteflash: more kernel families than kMaxFamilies");
   std::atomic<int8_t>& runs = known[kMaxFamilies * current_device() + family];
   if (runs.load(std::memory_order_relaxed) == 0) {
     runs.store(family_info(family).runs() ? 1 : -1, std::memory_order_relaxed);

@@ -98,7 +98,7 @@ class Target:
         return items
 
     def __str__(self) -> str:
-        text = f"{self.cc // 10}.{self.cc % 10}{self.suffix}"
+        text = _families.cc_text(self.cc) + self.suffix
         return text + "+PTX" if self.ptx else text
 
 
@@ -121,10 +121,9 @@ def family_of(cc: int) -> str:
     """The family whose kernels a target of compute capability cc gets (_families.serving's first)."""
     serving = _families.serving(cc)
     if not serving:
-        lowest = min(f.cc_min for f in _families.FAMILIES)
         raise ArchError(
-            f"compute capability {cc // 10}.{cc % 10} is not supported: cuteflash needs Volta "
-            f"({lowest // 10}.{lowest % 10}) or newer"
+            f"compute capability {_families.cc_text(cc)} is not supported: cuteflash needs Volta "
+            f"({_families.cc_text(_families.LOWEST_CC)}) or newer"
         )
     return serving[0].name
 
@@ -159,7 +158,7 @@ def parse_entry(entry: str) -> Target:
             family_of(cc)  # raises the 'needs Volta or newer' message
         raise ArchError(
             f"TORCH_CUDA_ARCH_LIST entry {entry!r}: compute capability {m.group(1)}.{m.group(2)} is "
-            f"unknown; known ones are " + ", ".join(f"{c // 10}.{c % 10}" for c in KNOWN_ARCHES)
+            f"unknown; known ones are " + ", ".join(_families.cc_text(c) for c in KNOWN_ARCHES)
         )
     family_of(cc)
     return Target(cc, m.group(3), bool(m.group(4)))
@@ -169,7 +168,7 @@ def check_toolkit(target: Target, cuda: tuple[int, int] | None) -> None:
     if cuda is None:
         return
     first, last = KNOWN_ARCHES[target.cc]
-    v = f"{cuda[0]}.{cuda[1]}"
+    v = _version_text(cuda)
     if last is not None and cuda > last:
         if target.cc in (70, 72):
             raise ArchError(
@@ -192,10 +191,14 @@ def check_family_toolkit(family: str, cuda: tuple[int, int] | None) -> None:
     f = _families.get(family)
     if cuda is None:
         return
-    text = lambda version: f"{version[0]}.{version[1]}"  # noqa: E731
     if cuda < f.cuda_min or (f.cuda_max is not None and cuda > f.cuda_max):
-        needs = f"CUDA {text(f.cuda_min)}" + (f" to {text(f.cuda_max)}" if f.cuda_max else " or newer")
-        raise ArchError(f"the {family} kernels need {needs}; found CUDA {text(cuda)}")
+        upper = f" to {_version_text(f.cuda_max)}" if f.cuda_max else " or newer"
+        needs = f"CUDA {_version_text(f.cuda_min)}{upper}"
+        raise ArchError(f"the {family} kernels need {needs}; found CUDA {_version_text(cuda)}")
+
+
+def _version_text(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
 
 
 def default_arch_list(cuda: tuple[int, int] | None) -> str:

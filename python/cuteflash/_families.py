@@ -50,10 +50,6 @@ class Family:
     def serves(self, cc: int) -> bool:
         return self.cc_min <= cc and (self.cc_max is None or cc <= self.cc_max)
 
-    def cc_range(self) -> str:
-        low = f"{self.cc_min // 10}.{self.cc_min % 10}"
-        return f"{low}+" if self.cc_max is None else f"{low}-{self.cc_max // 10}.{self.cc_max % 10}"
-
 
 FAMILIES: tuple[Family, ...] = (
     Family(
@@ -83,6 +79,7 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
+LOWEST_CC = min(f.cc_min for f in FAMILIES)  # the oldest GPU any family serves
 DTYPES = ("fp16", "bf16")
 DIRECTIONS = ("fwd", "bwd")
 
@@ -92,6 +89,11 @@ def get(name: str) -> Family:
         if family.name == name:
             return family
     raise KeyError(f"unknown kernel family {name!r}; families are {', '.join(NAMES)}")
+
+
+def cc_text(cc: int) -> str:
+    """Compute capability 75 as "7.5"."""
+    return f"{cc // 10}.{cc % 10}"
 
 
 def serving(cc: int) -> list[Family]:

@@ -102,12 +102,12 @@ def _select_family(index: int, forced: str) -> str:
     name = torch.cuda.get_device_name(index)
     if forced not in ("auto",) + _families.NAMES:
         raise ValueError(f"{BACKEND_ENV}={forced!r} is not one of auto, {', '.join(_families.NAMES)}")
-    serving = _families.serving(cc[0] * 10 + cc[1])
+    cc_code = cc[0] * 10 + cc[1]
+    serving = _families.serving(cc_code)
     if not serving:
-        lowest = min(f.cc_min for f in _families.FAMILIES)
         raise RuntimeError(
-            f"{name} has compute capability {_cc_text(cc)}; cuteflash needs {lowest // 10}.{lowest % 10} (Volta) or "
-            "newer"
+            f"{name} has compute capability {_cc_text(cc)}; cuteflash needs "
+            f"{_families.cc_text(_families.LOWEST_CC)} (Volta) or newer"
         )
     families = build_info()["families"]
     if forced == "auto":
@@ -116,9 +116,9 @@ def _select_family(index: int, forced: str) -> str:
     else:
         family = forced
         low = _families.get(family).cc_min
-        if cc[0] * 10 + cc[1] < low:  # (a newer GPU runs an older family's code where it was compiled for it)
+        if cc_code < low:  # (a newer GPU runs an older family's code where it was compiled for it)
             raise RuntimeError(
-                f"the {family} kernels need compute capability {low // 10}.{low % 10} or newer; {name} has "
+                f"the {family} kernels need compute capability {_families.cc_text(low)} or newer; {name} has "
                 f"{_cc_text(cc)}"
             )
 
@@ -137,19 +137,24 @@ def _select_family(index: int, forced: str) -> str:
     return family
 
 
+# The registry's names of the dtypes the kernels take.
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def dtype_supported(family: str, dtype: torch.dtype) -> bool:
+    """Whether the family's kernels compute dtype (the registry's dtypes)."""
+    return _DTYPE_NAMES.get(dtype) in _families.get(family).dtypes
+
+
 def check_dtype(family: str, dtype: torch.dtype) -> None:
-    """Raises TypeError where the family's kernels do not compute dtype (the registry's dtypes)."""
-    code = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype)
+    """Raises TypeError where the family's kernels do not compute dtype, a dtype the kernels take (interface.py
+    refuses the others)."""
+    code = _DTYPE_NAMES.get(dtype)
     if code is None or code in _families.get(family).dtypes:
         return
     with_it = [f for f in _families.FAMILIES if code in f.dtypes]
     low = min(f.cc_min for f in with_it)
     raise TypeError(
-        f"{dtype} needs a GPU of compute capability {low // 10}.{low % 10}+ (the {with_it[0].name} kernels); this "
+        f"{dtype} needs a GPU of compute capability {_families.cc_text(low)}+ (the {with_it[0].name} kernels); this "
         f"GPU runs the {family} kernels: use float16"
     )
-
-
-def dtype_supported(family: str, dtype: torch.dtype) -> bool:
-    code = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype)
-    return code in _families.get(family).dtypes
