@@ -268,7 +268,7 @@ void fill_cache(FwdParams& p, Cache const& c) {
   }
 }
 
-// Whether the decoding kernel (decode.cuh) computes a forward pass of these sizes: a fixed-length batch without
+// Whether the decoding kernel (decode/) computes a forward pass of these sizes: a fixed-length batch without
 // dropout whose query rows per key-value head (seqlen_q x group) are few (decode_max_rows).
 bool decode_fits(int head_dim, int seqlen_q, int nheads, int nheads_k, bool varlen, bool dropout) {
   return !varlen && !dropout && nheads_k >= 1 &&

@@ -95,10 +95,19 @@ def test_no_other_build_or_host_file_names_a_family():
     assert not found, "named outside the registry:\n" + "\n".join(found)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="decode/kernel.cuh still runs the sm70 family's WMMA fragments itself; its rewrite into passes moves the "
-    "tensor-core products behind a family hook",
-)
 def test_the_decoding_kernel_names_no_family():
     assert not _cpp_names(sorted((INCLUDE / "decode").iterdir()), FAMILY_NAME)
+
+
+def test_shared_headers_include_no_family_or_host_header():
+    # The device code every family shares (common/, and decode/ but for its launcher) includes neither a family's
+    # headers nor the host's; the host's headers include no family's.
+    family_dir = re.compile(r'#include\s+"cuteflash/(' + "|".join(_families.NAMES) + r")/")
+    host_dir = re.compile(r'#include\s+"cuteflash/host/')
+    device = [*(INCLUDE / "common").iterdir(), *(p for p in (INCLUDE / "decode").iterdir() if p.name != "launch.cuh")]
+    found = []
+    for path in device + list((INCLUDE / "host").iterdir()):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if family_dir.search(line) or (path in device and host_dir.search(line)):
+                found.append(f"{path.relative_to(INCLUDE)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)

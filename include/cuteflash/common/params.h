@@ -82,7 +82,7 @@ struct FwdParams {
   float dropout_scale;
   bool fp16_correction;  // sm70: P (and dS) as hi + 2^-11 lo in their products (error-corrected fp16)
 
-  // A KV cache (flash_attn_with_kvcache), read by the general kernels and the decoding kernel (decode.cuh); null
+  // A KV cache (flash_attn_with_kvcache), read by the general kernels and the decoding kernel (decode/); null
   // pointers: none. Sequence b reads keys [leftpad_k[b], seqused_k[b] + seqlen_new) of batch kv_batch_idx[b] of k
   // and v, clamped to the kv_rows rows of a batch and to the kv_batch batches, so that no value reaches outside
   // the caches; kv_rows is the cache's seqlen (in a paged cache, block_table's columns times page_size).

@@ -2,7 +2,7 @@
 // the decoding kernel's splits, and the tiled kernels' where a KV-cache call's query tiles alone leave SMs idle.
 // Split s of a row wrote its O, divided by its own row sum, to o_accum and its log-sum-exp to lse_accum; a split
 // that saw none of the row's keys wrote lse -inf, and its O is not read. A kernel of its own merges them, or, with
-// split_counters, the decoding kernel's last split of each (sequence, key-value head) does (decode.cuh); both run
+// split_counters, the decoding kernel's last split of each (sequence, key-value head) does (decode/); both run
 // merge_split_row, so the result does not depend on which.
 #pragma once
 

@@ -1,16 +1,12 @@
-// Small device helpers shared by both kernel families: layout views of MMA accumulators, type
+// Small device helpers shared by the kernel families: layout views of MMA accumulators, type
 // conversion of register fragments, predicated tile copies.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <stdexcept>
-#include <string>
-
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
-#include "cuteflash/host/device.h"
 #include "cuteflash/common/params.h"
 
 namespace cuteflash {

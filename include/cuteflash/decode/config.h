@@ -5,7 +5,7 @@
 
 namespace cuteflash {
 
-// The decoding kernel (decode.cuh): a block of 4 warps reads a key row 8 elements per lane, by the power of two
+// The decoding kernel (decode/): a block of 4 warps reads a key row 8 elements per lane, by the power of two
 // of lanes that covers the head dim, each lane `steps` rows of K and of V per chunk; a chunk is the keys of one
 // pass. In registers (the sm70 family): 8 rows for a single query row, 4 beside the registers of 8 rows. With
 // cp.async (the sm80 family), `stages` chunks in shared memory, kept in flight while the block computes. Several

@@ -1,15 +1,22 @@
-// The sm80 family's decoding kernel: the shared one (decode/kernel.cuh), reading the keys with cp.async.
-// Included by the generated decode_sm80_<dtype>_hd<D>.cu files only.
+// The sm80 family's decoding kernel: the shared one (decode/), reading the keys with cp.async, its products for
+// several query rows on mma.sync (decode_pass.cuh). Included by the generated decode_sm80_<dtype>_hd<D>.cu files only.
 #pragma once
 
-#include "cuteflash/decode/kernel.cuh"
+#include "cuteflash/decode/launch.cuh"
+#include "cuteflash/sm80/decode_pass.cuh"
 #include "cuteflash/sm80/tiles.h"
 
 namespace cuteflash::sm80 {
 
+struct DecodeFamily {
+  static constexpr bool kAsync = FamilyTraits::kDecodeCpAsync;
+  template <typename Traits>
+  using TensorPass = DecodeMmaPass<Traits>;
+};
+
 template <typename Element, int kHeadDim>
 void run_decode(FwdParams const& p, cudaStream_t stream) {
-  cuteflash::run_decode<Element, kHeadDim, FamilyTraits::kDecodeCpAsync>(p, stream);
+  cuteflash::run_decode<Element, kHeadDim, DecodeFamily>(p, stream);
 }
 
 }  // namespace cuteflash::sm80

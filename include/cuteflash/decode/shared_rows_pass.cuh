@@ -1,0 +1,125 @@
+// The decoding kernel's pass for several query rows on CUDA cores: the warps write their keys' scores to shared
+// memory, the warp that owns a row updates its running max and sum and turns the chunk's scores into
+// probabilities, then every warp rescales its part of O and adds its keys' P V.
+#pragma once
+
+#include "cuteflash/decode/cuda_core_rows.cuh"
+
+namespace cuteflash {
+
+template <typename Traits>
+struct DecodeSharedRowsPass : DecodeCudaCoreRows<Traits> {
+  static_assert(!Traits::kOwnSoftmax);
+  using Element = typename Traits::Element;
+  using DecodeCudaCoreRows<Traits>::q;
+  using DecodeCudaCoreRows<Traits>::acc;
+  using DecodeCudaCoreRows<Traits>::m_own;
+  using DecodeCudaCoreRows<Traits>::l_own;
+  static constexpr int kRows = Traits::kRows;
+  static constexpr int kWarps = Traits::kWarps;
+  static constexpr int kChunk = Traits::kChunk;
+  static constexpr int kLanesPerKey = Traits::kLanesPerKey;
+  static constexpr int kKeysPerStep = Traits::kKeysPerStep;
+  static constexpr int kSteps = Traits::kSteps;
+
+  template <typename Block>
+  __device__ void run(Block& b, int stage, int key0) {
+    __syncthreads();  // every warp has read the previous chunk's probabilities
+    write_scores(b, stage, key0);
+    __syncthreads();
+    softmax(b);
+    __syncthreads();
+    add_pv(b, stage);
+  }
+
+  // The dot products, reduced over a key's lanes; lane kLanesPerKey-part r writes row r's score.
+  template <typename Block>
+  __device__ __forceinline__ void write_scores(Block& b, int stage, int key0) {
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      float kf[8];
+      unpack8<Element>(b.stage_at(stage, 0, s), kf);
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        if (!b.live(r)) continue;
+        float dot = 0.f;
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) dot = fmaf(q[r][e], kf[e], dot);
+        CUTE_UNROLL
+        for (int o = kLanesPerKey / 2; o >= 1; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
+        if (b.lane % kLanesPerKey == r % kLanesPerKey) {
+          const int key_in_warp = s * kKeysPerStep + b.slot;
+          b.smem.scores[r][b.warp_key0 + key_in_warp] =
+              b.score(dot, key0 + key_in_warp, r, b.key_begin[r], b.key_end[r], b.slope[r]);
+        }
+      }
+    }
+  }
+
+  // The owning warps: each row's new max and sum, the rescale factor of O, the probabilities.
+  template <typename Block>
+  __device__ __forceinline__ void softmax(Block& b) {
+    const int lane = b.lane;
+    CUTE_UNROLL
+    for (int j = 0; j < Traits::kRowsPerWarp; ++j) {
+      const int r = b.warp + j * kWarps;
+      if (r < kRows && b.live(r)) {
+        float x[kChunk / 32];
+        float block_max = -INFINITY;
+        CUTE_UNROLL
+        for (int t = 0; t < kChunk / 32; ++t) {
+          x[t] = b.smem.scores[r][lane + 32 * t];
+          block_max = fmaxf(block_max, x[t]);
+        }
+        CUTE_UNROLL
+        for (int o = 16; o >= 1; o /= 2) block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, o));
+        const float m_new = fmaxf(m_own[j], block_max);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing seen yet: P = 0
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int t = 0; t < kChunk / 32; ++t) {
+          const float prob = exp2_approx(x[t] - m_use);
+          b.smem.scores[r][lane + 32 * t] = prob;
+          sum += prob;
+        }
+        CUTE_UNROLL
+        for (int o = 16; o >= 1; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+        const float alpha = exp2_approx(m_own[j] - m_use);  // 0 while nothing was seen
+        l_own[j] = l_own[j] * alpha + sum;
+        m_own[j] = m_new;
+        if (lane == 0) b.smem.alphas[r] = alpha;
+      }
+    }
+  }
+
+  // O = alpha O + P V over my keys.
+  template <typename Block>
+  __device__ __forceinline__ void add_pv(Block& b, int stage) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      if (!b.live(r)) continue;
+      const float alpha = b.smem.alphas[r];
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) acc[r][e] *= alpha;
+    }
+    CUTE_UNROLL
+    for (int s = 0; s < kSteps; ++s) {
+      float vf[8];
+      unpack8<Element>(b.stage_at(stage, 1, s), vf);
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        if (!b.live(r)) continue;
+        const float prob = b.smem.scores[r][b.warp_key0 + s * kKeysPerStep + b.slot];
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(prob, vf[e], acc[r][e]);
+      }
+    }
+  }
+
+  template <typename Block>
+  __device__ __forceinline__ void reduce(Block& b) {
+    this->sum_slots(b);
+  }
+};
+
+}  // namespace cuteflash
