@@ -23,16 +23,27 @@ SM70_CORRECTION_ENV = "CUTEFLASH_SM70_CORRECTION"
 MAX_ROW_STRIDE = 2**24  # the kernels index inside a block of rows with 32-bit offsets
 
 
-def readable_strides(strides: tuple[int, ...]) -> bool:
-    """Whether the kernels can read a tensor of these strides in place where it is 16-byte aligned: last dim
-    contiguous, every other stride a multiple of 8 elements (16-byte aligned rows), row stride below MAX_ROW_STRIDE."""
-    return strides[-1] == 1 and math.gcd(*strides[:-1]) % 8 == 0 and strides[-3] < MAX_ROW_STRIDE
+VECTOR_BYTES = 16  # what the kernels load and store at a time: operands, rows and strides are aligned to it
+
+
+def vector_elements(dtype: torch.dtype) -> int:
+    """The elements of dtype in VECTOR_BYTES (8 of fp16 or bf16): head dims and strides are multiples of it."""
+    return VECTOR_BYTES // dtype.itemsize
+
+
+def readable_strides(strides: tuple[int, ...], element_size: int) -> bool:
+    """Whether the kernels can read a tensor of these strides (of elements of element_size bytes) in place where it
+    is aligned to VECTOR_BYTES: last dim contiguous, every other stride a multiple of VECTOR_BYTES (aligned rows), row
+    stride below MAX_ROW_STRIDE."""
+    return (
+        strides[-1] == 1 and math.gcd(*strides[:-1]) * element_size % VECTOR_BYTES == 0 and strides[-3] < MAX_ROW_STRIDE
+    )
 
 
 def in_place(t: torch.Tensor) -> bool:
-    """Whether the kernels can read (or write) t in place: readable strides, 16-byte aligned. Slices of a packed qkv
-    tensor can."""
-    return readable_strides(t.stride()) and t.data_ptr() % 16 == 0
+    """Whether the kernels can read (or write) t in place: readable strides, aligned to VECTOR_BYTES. Slices of a
+    packed qkv tensor can."""
+    return readable_strides(t.stride(), t.element_size()) and t.data_ptr() % VECTOR_BYTES == 0
 
 
 def _kernel_operand(t: torch.Tensor) -> torch.Tensor:
@@ -716,13 +727,13 @@ def plan_forward(
     if (
         options.dropout_p > 0
         or options.alibi_slopes is not None
-        or q.shape[-1] % 8
-        or not all(readable_strides(t.stride()) for t in (q, k, v))
+        or q.shape[-1] % vector_elements(q.dtype)
+        or not all(readable_strides(t.stride(), t.element_size()) for t in (q, k, v))
         or _no_keys(q, k, varlen)
         or seqlen_k == 0
         or q.numel() == 0
         or (varlen is not None and varlen.cu_seqlens_q.numel() < 2)
-        or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16
+        or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % VECTOR_BYTES
     ):
         return None
     family = select_family(q.device)
@@ -818,7 +829,7 @@ def _bwd_plan(plan: FwdPlan, dout: torch.Tensor, q, k, v) -> BwdPlan | bool:
         problem = plan.problem
         family, batch, nheads, seqlen_q = problem.family, problem.batch, problem.nheads, problem.seqlen_q
         bwd = False
-        if readable_strides(key) and "bwd" in build_info()["families"][family]["directions"]:
+        if readable_strides(key, dout.element_size()) and "bwd" in build_info()["families"][family]["directions"]:
             dq_accum_floats, d_rowsum_in_dq = compiled_module().bwd_workspace(
                 family, q.shape[-1], batch, nheads, seqlen_q, plan.deterministic, q.shape[0] if plan.varlen else -1
             )
@@ -920,7 +931,7 @@ def plan_kvcache(q, k_cache, v_cache, k, v, cache: Cache, softmax_scale, causal,
     """The KvcachePlan of a checked call (the given int32 tensors contiguous), or None where plan_forward has none or
     k and v are not read in place."""
     fwd = plan_forward(q, k_cache, v_cache, softmax_scale, causal, None, options, False, cache, num_splits)
-    if fwd is None or (k is not None and not all(readable_strides(t.stride()) for t in (k, v))):
+    if fwd is None or (k is not None and not all(readable_strides(t.stride(), t.element_size()) for t in (k, v))):
         return None
     cache_fields = _cache_arg(cache, k_cache)
     append = None

@@ -285,9 +285,9 @@ def _attention(
     head_dim = q.shape[-1]
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
-    # The kernels read 8 elements at a time: pad the head dim with zeros, which add nothing to QK^T
+    # The kernels read 16 bytes at a time: pad the head dim with zeros, which add nothing to QK^T
     # and produce zero columns of O that are cut off again.
-    pad = -head_dim % 8
+    pad = -head_dim % _ops.vector_elements(q.dtype)
     if pad:
         q, k, v = (None if t is None else F.pad(t, (0, pad)) for t in (q, k, v))
     if plan is None and key is not None and not pad:  # checked: plan the calls with its signature
@@ -642,16 +642,18 @@ def _check_int32(name: str, t, shape: tuple[int, ...], device: torch.device) -> 
 def _check_caches(
     q, k_cache, v_cache, batch: int, block_table, names=("q", "k_cache", "v_cache")
 ) -> torch.Tensor | None:
-    """k_cache and v_cache: q's dtype, device and head dim, and where that is a multiple of 8 (the caches are then
-    read and written in place, else through padded copies) a layout the kernels take as it is; with block_table
+    """k_cache and v_cache: q's dtype, device and head dim, and where that is a multiple of 16 bytes (the caches are
+    then read and written in place, else through padded copies) a layout the kernels take as it is; with block_table
     (returned checked) paged, pages of a multiple of 16 rows."""
     _check_qkv(q, k_cache, v_cache, False, names, same_batch=False)
+    vector = _ops.vector_elements(q.dtype)
     for name, t in zip(names[1:], (k_cache, v_cache)):
         # (Under torch.compile the addresses are unknown when tracing: the compiled module checks them at run time.)
-        if q.shape[-1] % 8 == 0 and not torch.compiler.is_compiling() and not _ops.in_place(t):
+        if q.shape[-1] % vector == 0 and not torch.compiler.is_compiling() and not _ops.in_place(t):
             raise ValueError(
                 f"{name} must have a contiguous last dimension, 16-byte aligned rows and strides that are "
-                f"multiples of 8 elements (a tensor made with torch.empty / torch.zeros is); got strides {t.stride()}"
+                f"multiples of {vector} elements (a tensor made with torch.empty / torch.zeros is); got strides "
+                f"{t.stride()}"
             )
     if block_table is None:
         return None
@@ -797,7 +799,7 @@ def _cache_varlen(
         start = cu_seqlens_k[:-1]
         leftpad = start if leftpad_k is None else start + leftpad_k
         cache = _ops.Cache((start + used).int(), leftpad=leftpad.int())
-    pad = -head_dim % 8  # the kernels read 8 elements at a time: zero columns, cut off again
+    pad = -head_dim % _ops.vector_elements(q.dtype)  # the kernels read 16 bytes at a time: zero columns, cut off
     options = _ops.Options(window_left, window_right, softcap, alibi_slopes)
 
     def run(q, k, v):
@@ -827,7 +829,7 @@ def _kvcache_key(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_bat
         rotary_cos is not None
         or alibi_slopes is not None
         or not all(type(t) is torch.Tensor for t in tensors)
-        or q.shape[-1] % 8
+        or q.shape[-1] % _ops.vector_elements(q.dtype)
         or not all(t is None or type(t) is torch.Tensor for t in optional)
         or torch.compiler.is_compiling()
         or (options := _options_key(softmax_scale, causal, window_size, softcap)) is None
@@ -841,7 +843,7 @@ def _kvcache_padded(q, k_cache, v_cache, k, v, softmax_scale, **kwargs):
     kernels cannot read in place: q, the caches and the new keys are copied with zero columns appended, and the
     caches copied back where new keys were appended to them."""
     head_dim = q.shape[-1]
-    pad = -head_dim % 8
+    pad = -head_dim % _ops.vector_elements(q.dtype)
     k_padded, v_padded = _pad_head_dim(k_cache, pad), _pad_head_dim(v_cache, pad)
     result = flash_attn_with_kvcache(
         _pad_head_dim(q, pad), k_padded, v_padded, _pad_head_dim(k, pad), _pad_head_dim(v, pad),
@@ -964,7 +966,7 @@ def flash_attn_with_kvcache(
             raise ValueError(f"k has {k.shape[2]} heads but k_cache has {k_cache.shape[2]}; they must match")
         if cache_seqlens is None:
             raise ValueError("appending k and v needs cache_seqlens: the keys each cache holds before them")
-    if q.shape[-1] % 8:
+    if q.shape[-1] % _ops.vector_elements(q.dtype):
         return _kvcache_padded(
             q, k_cache, v_cache, k, v, softmax_scale, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
             cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
