@@ -285,20 +285,20 @@ bool decode_fits(int head_dim, int seqlen_q, int nheads, int nheads_k, bool varl
 int decode_split_count(int family, int batch, int nheads, int nheads_k, int seqlen_q, int seqlen_k, int head_dim,
                        int num_splits) {
   const int rows = decode_kernel_rows(seqlen_q * (nheads / nheads_k));
-  const bool async = family_info(family).decode_cp_async;
+  const DecodeConfig decode = family_info(family).decode;
   const int kernel_head_dim = round_up_head_dim(head_dim);
-  const int chunk = decode_chunk(kernel_head_dim, rows, async);
+  const int chunk = decode_chunk(kernel_head_dim, rows, decode);
   const int chunks = std::max((seqlen_k + chunk - 1) / chunk, 1);
   int splits = num_splits;
   if (splits <= 0) {
     const DeviceLimits& device = device_limits();
-    const int block_smem = decode_smem_bytes(kernel_head_dim, rows, async) + 1024;  // + the driver's
-    const int fill = rows == 1 && !async ? 4 : 2;
+    const int block_smem = decode_smem_bytes(kernel_head_dim, rows, decode) + 1024;  // + the driver's
+    const int fill = rows == 1 && !decode.async ? 4 : 2;
     const int per_sm = std::max(std::min(fill, device.smem_per_sm / block_smem), 1);
     // Rounded down: a few blocks more than fit at once would take a second wave.
     const int64_t blocks = std::max<int64_t>(int64_t(batch) * nheads_k, 1);
     splits = int(std::min<int64_t>(per_sm * int64_t(device.sms) / blocks, kMaxSplits));
-    if (decode_tensor_cores(kernel_head_dim, rows, async)) splits = std::min(splits, seqlen_k / kMinKeysPerSplit);
+    if (decode_tensor_cores(kernel_head_dim, rows, decode)) splits = std::min(splits, seqlen_k / kMinKeysPerSplit);
   }
   return std::clamp(splits, 1, std::min(chunks, kMaxSplits));
 }

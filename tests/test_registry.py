@@ -23,7 +23,7 @@ def test_each_family_folder_provides_the_launchers_and_traits(family):
         assert f"namespace cuteflash::{family}" in text and f"void run_{direction}(" in text
     tiles = (folder / "tiles.h").read_text()
     assert f"namespace cuteflash::{family}" in tiles and "struct FamilyTraits" in tiles
-    for constant in ("kDecodeCpAsync", "kRowsumInDq", "split_tile"):
+    for constant in ("kDecode", "kRowsumInDq", "split_tile"):
         assert constant in tiles
 
 

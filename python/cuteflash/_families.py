@@ -17,7 +17,7 @@ What a family's folder provides (the generated sources include these by name):
 - ``fwd_launch.cuh``, ``bwd_launch.cuh``, ``decode_launch.cuh``: ``<name>::run_fwd``, ``run_bwd`` and
   ``run_decode``, each ``template <typename Element, int kHeadDim> void (Params const&, cudaStream_t)``;
 - ``tiles.h``: its tile table and ``<name>::FamilyTraits``, host-safe constants the host plans with
-  (``kDecodeCpAsync``, ``kRowsumInDq``, ``split_tile``).
+  (``kDecode``, ``kRowsumInDq``, ``split_tile``).
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def dispatch_source(kernels: list[tuple[str, str, str, int]], families: list[str
     for f in families:
         traits = f"{f}::FamilyTraits"
         lines += [
-            f"      {{{_c_string(f)}, {_c_string(targets.get(f, ''))}, {traits}::kDecodeCpAsync, "
+            f"      {{{_c_string(f)}, {_c_string(targets.get(f, ''))}, {traits}::kDecode, "
             f"{traits}::kRowsumInDq, &{traits}::split_tile, &family_runs_{f}, &dropout_mask_{f}, &append_kv_{f}}},"
         ]
     lines += ["  };", "  return families;", "}", ""]

@@ -18,8 +18,8 @@
 
 namespace cuteflash {
 
-// Family: the kernel family whose decoding kernel this is. Family::kAsync: its chunks come with cp.async into
-// shared-memory stages (else into registers); Family::TensorPass<Traits>: its pass of several query rows on tensor
+// Family: the kernel family whose decoding kernel this is. Family::kConfig: its DecodeConfig (config.h: cp.async or
+// registers, where its tensor cores take over); Family::TensorPass<Traits>: its pass of several query rows on tensor
 // cores (decode_tensor_cores).
 template <typename Element_, int kHeadDim_, int kRows_, typename Family_>
 struct DecodeTraits {
@@ -33,15 +33,16 @@ struct DecodeTraits {
   // chunk; with kAsync, the chunks in flight in shared memory, else one in registers.
   static constexpr int kLanesPerKey = decode_lanes_per_key(kHeadDim);
   static constexpr int kKeysPerStep = 32 / kLanesPerKey;
-  static constexpr bool kAsync = Family::kAsync;
-  static constexpr int kSteps = decode_steps(kHeadDim, kRows, kAsync);
+  static constexpr DecodeConfig kConfig = Family::kConfig;
+  static constexpr bool kAsync = kConfig.async;
+  static constexpr int kSteps = decode_steps(kHeadDim, kRows, kConfig);
   static constexpr int kStages = kAsync ? decode_stages(kHeadDim, kRows) : 1;
-  static constexpr bool kTensorCores = decode_tensor_cores(kHeadDim, kRows, kAsync);
+  static constexpr bool kTensorCores = decode_tensor_cores(kHeadDim, kRows, kConfig);
   static_assert(!kTensorCores || (kRows <= 16 && kKeysPerStep * kSteps % 16 == 0 && kHeadDim % 16 == 0));
   static_assert(kWarps * kKeysPerStep * kSteps >= 32, "the softmax reads a chunk 32 keys at a time");
   static constexpr int kWarpKeys = kKeysPerStep * kSteps;
   static constexpr int kChunk = kWarps * kWarpKeys;  // keys per chunk
-  static_assert(kChunk == decode_chunk(kHeadDim, kRows, kAsync));
+  static_assert(kChunk == decode_chunk(kHeadDim, kRows, kConfig));
   static constexpr int kRowsPerWarp = ceil_div(kRows, kWarps);  // the query rows whose statistics a warp owns
   // For a single query row, each key slot of a warp (the kLanesPerKey lanes of one key of a load) keeps the running
   // max and sum of its own keys; on tensor cores, each warp keeps its rows' over its own keys. Then the walk needs

@@ -35,7 +35,7 @@ using DecodePass =
 template <typename Traits>
 constexpr int decode_storage_bytes() {
   constexpr int bytes = int(sizeof(DecodeStorage<Traits, DecodePass<Traits>>));
-  static_assert(bytes == decode_smem_bytes(Traits::kHeadDim, Traits::kRows, Traits::kAsync));
+  static_assert(bytes == decode_smem_bytes(Traits::kHeadDim, Traits::kRows, Traits::kConfig));
   return bytes;
 }
 

@@ -21,7 +21,7 @@ void run_decode(FwdParams const& p, cudaStream_t stream) {
     run(DecodeTraits<Element, kHeadDim, 1, Family>{});
   } else if (rows == kDecodeMaxRows) {
     run(DecodeTraits<Element, kHeadDim, kDecodeMaxRows, Family>{});
-  } else if constexpr (decode_tensor_cores(kHeadDim, kDecodeMaxMmaRows, Family::kAsync)) {
+  } else if constexpr (decode_tensor_cores(kHeadDim, kDecodeMaxMmaRows, Family::kConfig)) {
     run(DecodeTraits<Element, kHeadDim, kDecodeMaxMmaRows, Family>{});  // (decode_fits allows 16 only here)
   }
   if (p.num_splits > 1 && p.split_counters == nullptr) merge_splits<Element, kHeadDim>(p, stream);

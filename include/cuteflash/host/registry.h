@@ -11,6 +11,7 @@
 
 #include "cuteflash/common/params.h"
 #include "cuteflash/common/tiles.h"
+#include "cuteflash/decode/config.h"
 
 namespace cuteflash {
 
@@ -26,7 +27,7 @@ using AppendFn = void (*)(AppendParams const&, cudaStream_t);
 struct FamilyInfo {
   char const* name;                        // "sm80"
   char const* targets;                     // "8.0 9.0"
-  bool decode_cp_async;                    // the decoding kernel reads the keys with cp.async
+  DecodeConfig decode;                     // how its decoding kernel reads the keys, where its tensor cores take over
   bool rowsum_in_dq;                       // the backward's D may live in dq's memory unless the pass is deterministic
   TileConfig (*split_tile)(int head_dim);  // the forward tile that plans the tiled kernels' key splits
   bool (*runs)();                          // whether the family's code in this module runs on the current device

@@ -9,7 +9,7 @@
 namespace cuteflash::sm70 {
 
 struct DecodeFamily {
-  static constexpr bool kAsync = FamilyTraits::kDecodeCpAsync;
+  static constexpr DecodeConfig kConfig = FamilyTraits::kDecode;
   template <typename Traits>
   using TensorPass = DecodeWmmaPass<Traits>;
 };

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "cuteflash/common/tiles.h"
+#include "cuteflash/decode/config.h"
 
 namespace cuteflash {
 
@@ -53,9 +54,17 @@ constexpr Sm70BwdTile sm70_bwd_tile_choice(int head_dim, int i) {
 namespace cuteflash::sm70 {
 
 // What the host (host/registry.h, through the generated dispatch) and the shared decoding kernel know of the family.
+// The decoding kernel's WMMA tiles (decode_pass.cuh), rows padded by 16 bytes: Q's 16 rows, and per warp (4) its
+// keys' K and V rows of a chunk, its S (fp32, 16 x its keys, rows padded by 8) and its rows' rescale factors.
+constexpr int decode_wmma_tile_bytes(int head_dim, int warp_keys) {
+  const int ld = head_dim + 8;
+  return 16 * ld * 2 + 4 * (2 * warp_keys * ld * 2 + 16 * (warp_keys + 8) * 4 + 16 * 4);
+}
+
 struct FamilyTraits {
-  // The decoding kernel (decode/kernel.cuh) reads the keys into registers (Volta has no cp.async).
-  static constexpr bool kDecodeCpAsync = false;
+  // The decoding kernel (decode/) reads the keys into registers (Volta has no cp.async), and runs more query rows
+  // than its CUDA cores take on WMMA (decode_pass.cuh), through tiles of its own.
+  static constexpr DecodeConfig kDecode{false, kDecodeMaxRows + 1, &decode_wmma_tile_bytes};
   // D = rowsum(dO * O) needs its own buffer: the dK/dV kernel's last block of a head converts dQ while other blocks
   // still read D.
   static constexpr bool kRowsumInDq = false;

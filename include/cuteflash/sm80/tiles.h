@@ -3,6 +3,7 @@
 #pragma once
 
 #include "cuteflash/common/tiles.h"
+#include "cuteflash/decode/config.h"
 
 namespace cuteflash {
 
@@ -88,8 +89,9 @@ namespace cuteflash::sm80 {
 
 // What the host (host/registry.h, through the generated dispatch) and the shared decoding kernel know of the family.
 struct FamilyTraits {
-  // The decoding kernel (decode/kernel.cuh) reads the keys with cp.async, through shared memory.
-  static constexpr bool kDecodeCpAsync = true;
+  // The decoding kernel (decode/) reads the keys with cp.async, through shared memory, and runs from 2 query rows on
+  // on tensor cores (decode_pass.cuh: mma.sync on the stages, no tiles of its own).
+  static constexpr DecodeConfig kDecode{true, 2, nullptr};
   // D = rowsum(dO * O) may live in dq's memory where the pass is not deterministic: the atomic path writes dq only
   // in its last kernel, which reads dq_accum, not D.
   static constexpr bool kRowsumInDq = true;
