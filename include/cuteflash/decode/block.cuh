@@ -2,7 +2,7 @@
 // memory (DecodeStorage) and a thread block's state (DecodeBlock): the rows and keys it serves, each row's visible
 // keys, the ring of stages that a chunk's K and V arrive in, and the scores of a row and key.
 //
-// A pass is a type with its own registers (its part of O, its rows' running max and sum) and five members:
+// A pass is a type with its own registers (its part of O, its rows' running max and sum) and four members:
 //   init(b)             Q and the accumulators, before the first chunk is fetched;
 //   run(b, stage, key0) one chunk: scores, softmax, O rescaled and the chunk's P V added;
 //   reduce(b)           its parts summed within each warp, after the last chunk;
