@@ -7,6 +7,37 @@
 
 namespace cuteflash {
 
+// kValues partial sums held by each of the kLanes lanes of a key slot (aligned lanes, a power of two), summed over
+// the slot by a reduce-scatter: each round halves the values a lane holds (the half its lane bit o selects, plus the
+// partner's of that half) until it holds kHeld; the lanes below the spread bits (kShift) then sum those. After it,
+// x[j] of a lane is value spread(lane) kHeld + j's whole sum, which the lanes with the same spread bits share.
+template <int kValues, int kLanes>
+struct SlotReduceScatter {
+  static constexpr int kSpread = kValues < kLanes ? kValues : kLanes;  // the lanes over which the values spread
+  static constexpr int kHeld = kValues / kSpread;
+  static constexpr int kShift = cute::log_2(unsigned(kLanes / kSpread));  // lane bits below the spread ones
+  static_assert(kValues % kSpread == 0 && kLanes % kSpread == 0);
+
+  __device__ __forceinline__ static int spread(int lane) { return (lane % kLanes) >> kShift; }
+
+  __device__ __forceinline__ static void reduce(float (&x)[kValues], int lane) {
+    CUTE_UNROLL
+    for (int n = kValues, o = kLanes / 2; n > kHeld; n /= 2, o /= 2) {
+      const bool upper = lane & o;
+      CUTE_UNROLL
+      for (int j = 0; j < n / 2; ++j) {
+        const float give = upper ? x[j] : x[j + n / 2];
+        x[j] = (upper ? x[j + n / 2] : x[j]) + __shfl_xor_sync(0xffffffff, give, o);
+      }
+    }
+    CUTE_UNROLL
+    for (int o = (1 << kShift) / 2; o >= 1; o /= 2) {
+      CUTE_UNROLL
+      for (int j = 0; j < kHeld; ++j) x[j] += __shfl_xor_sync(0xffffffff, x[j], o);
+    }
+  }
+};
+
 template <typename Traits>
 struct DecodeCudaCoreRows : DecodePassBase {
   using Element = typename Traits::Element;

@@ -36,15 +36,11 @@ struct DecodeSharedRowsPass : DecodeCudaCoreRows<Traits> {
   // ends with the whole dot products of kHeld rows (the lanes below the spread bits with the same ones), scores
   // them and, one lane of them, writes the scores. At head dim 256 with 8 rows (32 lanes): 9 shuffles a key
   // instead of 40, and each row's score computed by its 4 lanes at once rather than by one lane after another.
-  static constexpr int kSpread = kRows < kLanesPerKey ? kRows : kLanesPerKey;  // the lanes over which rows spread
-  static constexpr int kHeld = kRows / kSpread;
-  static constexpr int kSpreadShift = cute::log_2(unsigned(kLanesPerKey / kSpread));  // lane bits below the spread
-  static_assert(kRows % kSpread == 0 && kLanesPerKey % kSpread == 0);
+  using Scatter = SlotReduceScatter<kRows, kLanesPerKey>;
+  static constexpr int kHeld = Scatter::kHeld;
   // The rows whose visible keys a lane keeps: those it holds the dot products of.
   static constexpr int kRowsHeld = kHeld;
-  __device__ __forceinline__ static int held_row(int held, int lane) {
-    return ((lane % kLanesPerKey) >> kSpreadShift) * kHeld + held;
-  }
+  __device__ __forceinline__ static int held_row(int held, int lane) { return Scatter::spread(lane) * kHeld + held; }
 
   template <typename Block>
   __device__ __forceinline__ void write_scores(Block& b, int stage, int key0) {
@@ -61,28 +57,13 @@ struct DecodeSharedRowsPass : DecodeCudaCoreRows<Traits> {
         CUTE_UNROLL
         for (int e = 0; e < 8; ++e) x[r] = fmaf(q[r][e], kf[e], x[r]);
       }
-      // Each round halves the rows a lane holds: the half its lane bit o selects, plus the partner's of that half.
-      // After them, x[j] is row spread kHeld + j's (spread: the lane's bits of the rounds), summed over those lanes.
-      CUTE_UNROLL
-      for (int n = kRows, o = kLanesPerKey / 2; n > kHeld; n /= 2, o /= 2) {
-        const bool upper = lane & o;
-        CUTE_UNROLL
-        for (int j = 0; j < n / 2; ++j) {
-          const float give = upper ? x[j] : x[j + n / 2];
-          x[j] = (upper ? x[j + n / 2] : x[j]) + __shfl_xor_sync(0xffffffff, give, o);
-        }
-      }
-      CUTE_UNROLL
-      for (int o = (1 << kSpreadShift) / 2; o >= 1; o /= 2) {  // then the lanes below the spread bits
-        CUTE_UNROLL
-        for (int j = 0; j < kHeld; ++j) x[j] += __shfl_xor_sync(0xffffffff, x[j], o);
-      }
+      Scatter::reduce(x, lane);  // x[j]: row held_row(j)'s dot product
       const int key_in_warp = s * kKeysPerStep + b.slot;
       CUTE_UNROLL
       for (int j = 0; j < kHeld; ++j) {
         const int r = held_row(j, lane);
         const float score = b.score(x[j], key0 + key_in_warp, r, b.key_begin[j], b.key_end[j], b.slope[j]);
-        if (lane % (1 << kSpreadShift) == 0 && b.live(r)) b.smem.scores[r][b.warp_key0 + key_in_warp] = score;
+        if (lane % (1 << Scatter::kShift) == 0 && b.live(r)) b.smem.scores[r][b.warp_key0 + key_in_warp] = score;
       }
     }
   }

@@ -23,9 +23,9 @@ struct DecodeSingleRowPass : DecodeCudaCoreRows<Traits> {
   // probabilities are then handed to every lane of the slot. At head dim 128 (16 lanes, 4 keys): 5 shuffles for the
   // dot products instead of 16, 2 for the chunk's max and 4 for the probabilities, and each key's score and
   // exponential computed by 4 lanes instead of 16.
-  static constexpr int kSpread = kSteps < kLanesPerKey ? kSteps : kLanesPerKey;  // the lanes over which keys spread
-  static constexpr int kHeld = kSteps / kSpread;
-  static constexpr int kSpreadShift = cute::log_2(unsigned(kLanesPerKey / kSpread));  // lane bits below the spread
+  using Scatter = SlotReduceScatter<kSteps, kLanesPerKey>;
+  static constexpr int kHeld = Scatter::kHeld;
+  static constexpr int kSpreadShift = Scatter::kShift;
 
   // My key slot's part of a chunk: its scores, the running max and sum, O rescaled and its keys' P V added.
   template <typename Block>
@@ -40,23 +40,8 @@ struct DecodeSingleRowPass : DecodeCudaCoreRows<Traits> {
       CUTE_UNROLL
       for (int e = 0; e < 8; ++e) x[s] = fmaf(q[0][e], kf[e], x[s]);
     }
-    // Each round halves the values a lane holds: the half its lane bit o selects, plus the partner's of that half.
-    // After them, x[j] is step spread kHeld + j's (spread: the lane's bits of the rounds), summed over those lanes.
-    CUTE_UNROLL
-    for (int n = kSteps, o = kLanesPerKey / 2; n > kHeld; n /= 2, o /= 2) {
-      const bool upper = lane & o;
-      CUTE_UNROLL
-      for (int j = 0; j < n / 2; ++j) {
-        const float give = upper ? x[j] : x[j + n / 2];
-        x[j] = (upper ? x[j + n / 2] : x[j]) + __shfl_xor_sync(0xffffffff, give, o);
-      }
-    }
-    CUTE_UNROLL
-    for (int o = (1 << kSpreadShift) / 2; o >= 1; o /= 2) {  // then the lanes below the spread bits
-      CUTE_UNROLL
-      for (int j = 0; j < kHeld; ++j) x[j] += __shfl_xor_sync(0xffffffff, x[j], o);
-    }
-    const int spread = (lane % kLanesPerKey) >> kSpreadShift;
+    Scatter::reduce(x, lane);  // x[j]: step spread kHeld + j's dot product
+    const int spread = Scatter::spread(lane);
     float chunk_max = -INFINITY;
     CUTE_UNROLL
     for (int j = 0; j < kHeld; ++j) {
