@@ -1,5 +1,7 @@
 // Online softmax over key blocks (FlashAttention-2): running row max m and row sum l, with the
-// output accumulator rescaled whenever m grows. Works on (rows, cols) views of MMA accumulators.
+// output accumulator rescaled whenever m grows. online_step is a row's step, which every kernel takes over its own
+// view of the rows (which lanes share a row, where its scores live); OnlineSoftmax takes it over (rows, cols) views
+// of MMA accumulators.
 #pragma once
 
 #include <type_traits>
@@ -7,6 +9,30 @@
 #include "cuteflash/common/utils.cuh"
 
 namespace cuteflash {
+
+// A row's step: a block of scores s whose largest, with the row's running max m, is m_new. The block's probabilities
+// are exp2(s scale_log2 - offset); the row's sum and output over the earlier blocks are multiplied by alpha().
+struct RowStep {
+  float m_old;   // the running max before the block
+  float offset;  // m_new scale_log2; 0 while m_new = -inf (every score so far masked), so that their P is 0, not NaN
+  float scale_log2;
+
+  // exp2((m_old - m_new) scale_log2): 0 while m_old = -inf (nothing seen before). Computed where it is called, which
+  // the kernels place among their reductions.
+  __device__ __forceinline__ float alpha() const { return exp2_approx(m_old * scale_log2 - offset); }
+};
+
+__device__ __forceinline__ RowStep online_step(float& m, float m_new, float scale_log2 = 1.f) {
+  const RowStep step{m, m_new == -INFINITY ? 0.f : m_new * scale_log2, scale_log2};
+  m = m_new;
+  return step;
+}
+
+// The weight of a part of a row's softmax (a warp's keys, a split's) whose running max is m_part, when the parts
+// are merged at the row's max m: exp2(m_part - m), 0 for a part that saw no key.
+__device__ __forceinline__ float part_weight(float m_part, float m) {
+  return m_part == -INFINITY ? 0.f : exp2_approx(m_part - m);
+}
 
 // op over row mi of a (rows, cols) tensor, starting from init.
 template <typename Tensor, typename Op>
@@ -52,21 +78,20 @@ struct OnlineSoftmax {
     }
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) m_new[mi] = quad_allreduce(m_new[mi], MaxOp{});
-    float m_scaled[kRows];
+    float offset[kRows];
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
-      // A row with every key masked so far keeps m = -inf; subtracting 0 keeps its P at 0, not NaN.
-      m_scaled[mi] = m_new[mi] == -INFINITY ? 0.f : m_new[mi] * scale_log2;
-      float correction = exp2_approx(m[mi] * scale_log2 - m_scaled[mi]);
-      m[mi] = m_new[mi];
-      l[mi] *= correction;
+      const RowStep step = online_step(m[mi], m_new[mi], scale_log2);
+      offset[mi] = step.offset;
+      const float alpha = step.alpha();
+      l[mi] *= alpha;
       CUTE_UNROLL
-      for (int oi = 0; oi < size<1>(acc_o); ++oi) acc_o(mi, oi) *= correction;
+      for (int oi = 0; oi < size<1>(acc_o); ++oi) acc_o(mi, oi) *= alpha;
     }
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2_approx(f(s(mi, ni)) * scale_log2 - m_scaled[mi]);
+      for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2_approx(f(s(mi, ni)) * scale_log2 - offset[mi]);
     }
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) l[mi] = row_reduce(s, mi, l[mi], SumOp{});

@@ -13,6 +13,7 @@
 #include <cute/config.hpp>
 
 #include "cuteflash/common/mask.cuh"
+#include "cuteflash/common/softmax.cuh"
 #include "cuteflash/common/utils.cuh"
 #include "cuteflash/decode/config.h"
 

@@ -14,6 +14,7 @@
 
 #include <type_traits>
 
+#include "cuteflash/common/softmax.cuh"
 #include "cuteflash/common/split_merge.cuh"
 #include "cuteflash/decode/block.cuh"
 #include "cuteflash/decode/shared_rows_pass.cuh"
@@ -64,7 +65,7 @@ __device__ __forceinline__ void decode_write(Block& b) {
       CUTE_UNROLL
       for (int w = 0; w < kWarps; ++w) {
         const float m_w = smem.row_max[w * kRows + r];
-        weight[w] = m_w == -INFINITY ? 0.f : exp2_approx(m_w - m);
+        weight[w] = part_weight(m_w, m);
         l += weight[w] * smem.row_sum[w * kRows + r];
       }
     }

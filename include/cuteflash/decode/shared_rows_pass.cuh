@@ -85,20 +85,18 @@ struct DecodeSharedRowsPass : DecodeCudaCoreRows<Traits> {
         }
         CUTE_UNROLL
         for (int o = 16; o >= 1; o /= 2) block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, o));
-        const float m_new = fmaxf(m_own[j], block_max);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing seen yet: P = 0
+        const RowStep step = online_step(m_own[j], fmaxf(m_own[j], block_max));
         float sum = 0.f;
         CUTE_UNROLL
         for (int t = 0; t < kChunk / 32; ++t) {
-          const float prob = exp2_approx(x[t] - m_use);
+          const float prob = exp2_approx(x[t] - step.offset);
           b.smem.scores[r][lane + 32 * t] = prob;
           sum += prob;
         }
         CUTE_UNROLL
         for (int o = 16; o >= 1; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
-        const float alpha = exp2_approx(m_own[j] - m_use);  // 0 while nothing was seen
+        const float alpha = step.alpha();
         l_own[j] = l_own[j] * alpha + sum;
-        m_own[j] = m_new;
         if (lane == 0) b.smem.alphas[r] = alpha;
       }
     }

@@ -53,15 +53,14 @@ struct DecodeSingleRowPass : DecodeCudaCoreRows<Traits> {
     for (int o = kLanesPerKey / 2; o >= (1 << kSpreadShift); o /= 2) {
       chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffff, chunk_max, o));
     }
-    const float m_new = fmaxf(m_own[0], chunk_max);
-    const float m_use = m_new == -INFINITY ? 0.f : m_new;  // nothing seen yet: P = 0
-    const float alpha = exp2_approx(m_own[0] - m_use);     // 0 while nothing was seen
+    const RowStep step = online_step(m_own[0], fmaxf(m_own[0], chunk_max));
+    const float alpha = step.alpha();
     l_own[0] *= alpha;  // of my kHeld keys of each chunk: summed over the spread lanes at the end
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) acc[0][e] *= alpha;
     CUTE_UNROLL
     for (int j = 0; j < kHeld; ++j) {
-      x[j] = exp2_approx(x[j] - m_use);
+      x[j] = exp2_approx(x[j] - step.offset);
       l_own[0] += x[j];
     }
     const int slot_lane0 = lane & ~(kLanesPerKey - 1);
@@ -73,7 +72,6 @@ struct DecodeSingleRowPass : DecodeCudaCoreRows<Traits> {
       CUTE_UNROLL
       for (int e = 0; e < 8; ++e) acc[0][e] = fmaf(prob, vf[e], acc[0][e]);
     }
-    m_own[0] = m_new;
   }
 
   // The slots' statistics become the warp's: O and l rescaled to the warp's max, then summed over the slots.
@@ -86,7 +84,7 @@ struct DecodeSingleRowPass : DecodeCudaCoreRows<Traits> {
     float m = m_own[0];
     CUTE_UNROLL
     for (int o = kLanesPerKey; o < 32; o *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
-    const float f = m_own[0] == -INFINITY ? 0.f : exp2_approx(m_own[0] - m);
+    const float f = part_weight(m_own[0], m);
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) acc[0][e] *= f;
     l_own[0] *= f;

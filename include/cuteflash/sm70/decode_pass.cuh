@@ -138,14 +138,13 @@ struct DecodeWmmaPass : DecodePassBase {
     }
     chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffff, chunk_max, 16));
     const float m_new = fmaxf(m_own, chunk_max);
-    const float m_use = m_new == -INFINITY ? 0.f : m_new;  // nothing seen yet: P = 0
-    const float alpha = exp2_approx(m_own - m_use);        // 0 while nothing was seen
-    const bool rescale = __any_sync(0xffffffff, m_new != m_own);
+    const RowStep step = online_step(m_own, m_new);
+    const float alpha = step.alpha();
+    const bool rescale = __any_sync(0xffffffff, m_new != step.m_old);
     l_own *= alpha;
-    m_own = m_new;
     CUTE_UNROLL
     for (int j = 0; j < kHalf; ++j) {
-      x[j] = exp2_approx(x[j] - m_use);
+      x[j] = exp2_approx(x[j] - step.offset);
       l_own += x[j];
     }
     __syncwarp();  // S is read: P takes its place

@@ -16,6 +16,7 @@
 #include "cuteflash/common/dropout.cuh"
 #include "cuteflash/common/mask.cuh"
 #include "cuteflash/common/params.h"
+#include "cuteflash/common/softmax.cuh"
 #include "cuteflash/common/split_merge.cuh"
 #include "cuteflash/sm70/traits.h"
 
@@ -246,10 +247,10 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     for (int c = 0; c < kColsPerLane; ++c) block_max = fmaxf(block_max, s[c]);
     if constexpr (kLanesPerRow == 2) block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 16));
     const float m_new = fmaxf(m, block_max);
-    const float m_scaled = m_new == -INFINITY ? 0.f : m_new * p.softmax_scale_log2;
-    // 0 while O is still 0; exactly 1 where the max stays (so is O's rescale, and the warp skips it).
-    const float alpha = m_new == m ? 1.f : exp2_approx(m * p.softmax_scale_log2 - m_scaled);
-    const bool rescale = __any_sync(0xffffffff, m_new != m);
+    const RowStep step = online_step(m, m_new, p.softmax_scale_log2);
+    // Exactly 1 where the max stays (so is O's rescale, and the warp skips it).
+    const float alpha = m_new == step.m_old ? 1.f : step.alpha();
+    const bool rescale = __any_sync(0xffffffff, m_new != step.m_old);
     // has_dropout: the keep bits of my part of the row (in order, not rotated).
     const auto keep = [&] {
       if constexpr (has_dropout(V)) {
@@ -264,7 +265,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
       float prob[4];  // 2^p_shift P
       CUTE_UNROLL
       for (int e = 0; e < 4; ++e) {
-        prob[e] = exp2_approx(s[4 * i + e] * p.softmax_scale_log2 - (m_scaled - p_shift));  // masked: 0
+        prob[e] = exp2_approx(s[4 * i + e] * p.softmax_scale_log2 - (step.offset - p_shift));  // masked: 0
         sum += prob[e];
       }
       if constexpr (has_dropout(V)) {  // after the row sum, which is of every probability
@@ -278,7 +279,6 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
       store_split<4>(prob, 1.f, p_hi + at, p_lo + at);
     }
     l = l * alpha + sum;
-    m = m_new;
     if (my_half == 0) alpha_rows[my_row] = alpha;
     __syncthreads();  // V(n) is in sV; no warp still reads sK
     if (has_next) CopyKV::store(kv_regs, sK, tid);

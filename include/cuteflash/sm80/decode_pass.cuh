@@ -112,16 +112,15 @@ struct DecodeMmaPass : DecodePassBase {
         }
       }
     }
-    float alpha[2], m_use[2];
+    float alpha[2], offset[2];
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       CUTE_UNROLL
       for (int o = 1; o <= 2; o *= 2) chunk_max[h] = fmaxf(chunk_max[h], __shfl_xor_sync(0xffffffff, chunk_max[h], o));
-      const float m_new = fmaxf(m_own[h], chunk_max[h]);
-      m_use[h] = m_new == -INFINITY ? 0.f : m_new;  // nothing seen yet: P = 0
-      alpha[h] = exp2_approx(m_own[h] - m_use[h]);  // 0 while nothing was seen
+      const RowStep step = online_step(m_own[h], fmaxf(m_own[h], chunk_max[h]));
+      offset[h] = step.offset;
+      alpha[h] = step.alpha();
       l_own[h] *= alpha[h];
-      m_own[h] = m_new;
     }
     CUTE_UNROLL
     for (int n = 0; n < kHeadDim / 8; ++n) {
@@ -129,12 +128,13 @@ struct DecodeMmaPass : DecodePassBase {
       for (int e = 0; e < 4; ++e) o_frag[n][e] *= alpha[e / 2];
     }
     CUTE_UNROLL
-    for (int mb = 0; mb < kBlocks; ++mb) add_pv(b, stage, mb, x[mb], m_use);
+    for (int mb = 0; mb < kBlocks; ++mb) add_pv(b, stage, mb, x[mb], offset);
   }
 
   // O += P V for my warp's keys 16 mb on: P's A fragment from the scores x of those keys.
   template <typename Block>
-  __device__ __forceinline__ void add_pv(Block& b, int stage, int mb, float const (&x)[2][4], float const (&m_use)[2]) {
+  __device__ __forceinline__ void add_pv(Block& b, int stage, int mb, float const (&x)[2][4],
+                                         float const (&offset)[2]) {
     const int lane = b.lane;
     uint32_t a[4];  // P's A fragment: rows quad_row (a[0], a[2]) and + 8, keys 2 quad_col (+ 8 for a[2], a[3])
     CUTE_UNROLL
@@ -143,7 +143,7 @@ struct DecodeMmaPass : DecodePassBase {
       float prob[2];
       CUTE_UNROLL
       for (int e = 0; e < 2; ++e) {
-        prob[e] = exp2_approx(x[t][2 * h + e] - m_use[h]);
+        prob[e] = exp2_approx(x[t][2 * h + e] - offset[h]);
         l_own[h] += prob[e];
       }
       const auto pair = cutlass::NumericArrayConverter<Element, float, 2>{}(cutlass::Array<float, 2>{prob[0], prob[1]});
