@@ -219,6 +219,17 @@ __device__ __forceinline__ auto keep_mask(Dropout const& dropout, CoordTensor co
   return KeepMask<decltype(size<0>(coord))::value, decltype(size<1>(coord))::value>(dropout, coord, row0, col0);
 }
 
+// keep_mask's bits in a kernel with dropout (kDropout), nullptr in one without (whose code tests has_dropout first).
+template <bool kDropout, typename CoordTensor>
+__device__ __forceinline__ auto keep_mask_if(FwdParams const& p, int batch, int head, CoordTensor const& coord,
+                                             int row0, int col0) {
+  if constexpr (kDropout) {
+    return keep_mask(Dropout::make(p, batch, head), coord, row0, col0);
+  } else {
+    return nullptr;
+  }
+}
+
 // x(mi, ni) = keep(mi, ni) ? x(mi, ni) * scale : 0 on a (rows, cols) view.
 template <typename Tensor, int kRows, int kCols>
 __device__ __forceinline__ void apply_keep(Tensor& x, KeepMask<kRows, kCols> const& keep, float scale) {

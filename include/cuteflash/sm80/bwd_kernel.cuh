@@ -94,17 +94,80 @@ __device__ __forceinline__ float* dq_accum_slots(BwdParams const& p, Sequence co
          threadIdx.x * kDqAccumVec;
 }
 
+// acc += A B^T for the calling thread (tid) of tiled_mma, A (M, K) and B (N, K) in shared memory (sA, sB), read with
+// ldmatrix (AtomA, AtomB) a k-slice ahead (gemm_ss). offset (elements, optional) moves A's and B's partitions: the
+// stages of a multi-buffered operand.
+template <typename AtomA, typename AtomB, typename Acc, typename TiledMma, typename SmemA, typename SmemB,
+          typename... Offset>
+__device__ __forceinline__ void gemm_smem(Acc& acc, TiledMma const& tiled_mma, SmemA const& sA, SmemB const& sB,
+                                          int tid, Offset... offset) {
+  auto thr_mma = tiled_mma.get_thread_slice(tid);
+  Tensor rA = thr_mma.partition_fragment_A(sA);  // (MMA, MMA_M, MMA_K)
+  Tensor rB = thr_mma.partition_fragment_B(sB);  // (MMA, MMA_N, MMA_K)
+  auto copy_a = make_tiled_copy_A(AtomA{}, tiled_mma);
+  auto thr_a = copy_a.get_thread_slice(tid);
+  auto copy_b = make_tiled_copy_B(AtomB{}, tiled_mma);
+  auto thr_b = copy_b.get_thread_slice(tid);
+  Tensor pA = thr_a.partition_S(sA);
+  Tensor pB = thr_b.partition_S(sB);
+  if constexpr (sizeof...(offset) == 0) {
+    gemm_ss(acc, rA, rB, pA, pB, tiled_mma, copy_a, thr_a, copy_b, thr_b);
+  } else {
+    const int at[2] = {offset...};
+    gemm_ss(acc, rA, rB, make_tensor(pA.data() + at[0], pA.layout()), make_tensor(pB.data() + at[1], pB.layout()),
+            tiled_mma, copy_a, thr_a, copy_b, thr_b);
+  }
+}
+
+// A loader of query block m_block of rows (a head's query rows: gQ, gdO) into the shared tile s (kBlockM, kHeadDim)
+// with cp.async, zeros past seqlen_q and head_dim. Its offset (elements) moves the destination: a stage of a
+// multi-buffered tile. A whole query block without a head-dim remainder loads without bounds checks (whose
+// zero-filling stores nvcc would otherwise issue, predicated off, in every step).
+template <typename Traits, typename Rows, typename SmemTile>
+__device__ __forceinline__ auto query_loader(BwdParams const& p, Sequence const& seq, Rows const& rows,
+                                             SmemTile const& s, int tid) {
+  typename Traits::GmemTiledCopy gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid);
+  return [&p, &seq, rows, gmem_copy, gmem_thr, full_head_dim = p.head_dim == Traits::kHeadDim,
+          dst = gmem_thr.partition_D(s),
+          coord = gmem_thr.partition_S(make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}))](
+             int m_block, int offset = 0) {
+    Tensor src = gmem_thr.partition_S(rows.block(m_block));  // (CPY, CPY_M, CPY_K)
+    Tensor at = make_tensor(dst.data() + offset, dst.layout());
+    if (full_head_dim && (m_block + 1) * Traits::kBlockM <= seq.seqlen_q) {
+      copy(gmem_copy, src, at);
+    } else {
+      copy_tile_bounded<true>(gmem_copy, src, at, coord, seq.seqlen_q - m_block * Traits::kBlockM, p.head_dim);
+    }
+  };
+}
+
+// P to its shared tile (copy_pds's partition tPsP) from the accumulators acc_s: with dropout, the kept probabilities
+// (keep: keep_mask's bits), unscaled (dV's products take them; bwd_epilogue scales).
+template <typename Element, Variant V, typename AccS, typename Keep, typename CopyPdS, typename ThrPdS, typename SmemP>
+__device__ __forceinline__ void store_probs(AccS const& acc_s, Keep const& keep, CopyPdS const& copy_pds,
+                                            ThrPdS const& thr_pds, SmemP& tPsP) {
+  if constexpr (has_dropout(V)) {
+    Tensor kept = make_fragment_like(acc_s);
+    Tensor kept_rc = make_tensor(kept.data(), acc_rowcol(acc_s.layout()));
+    CUTE_UNROLL
+    for (int i = 0; i < size(kept); ++i) kept(i) = acc_s(i);
+    apply_keep(kept_rc, keep, 1.f);
+    copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(kept)), tPsP);
+  } else {
+    copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_s)), tPsP);
+  }
+}
+
 // dQ += dS K for query block m_block, added to dq_accum with fp32 reductions (whole blocks: rows past seqlen_q and
-// columns past head_dim add zeros to the padding). The operands as bwd_block partitions them.
-template <typename Traits, typename MmaDq, typename RegDs, typename RegKt, typename SmemDs, typename SmemKt,
-          typename CopyA, typename ThrA, typename CopyB, typename ThrB>
+// columns past head_dim add zeros to the padding). sdS, sKt: dS (kBlockM, kBlockN) and K^T in shared memory.
+template <typename Traits, typename SmemDs, typename SmemKt>
 __device__ __forceinline__ void add_dq(BwdParams const& p, Sequence const& seq, int head, int m_block,
-                                       MmaDq const& mma_dq, RegDs& tdQrdS, RegKt& tdQrKt, SmemDs const& tdQsdS,
-                                       SmemKt const& tdQsKt, CopyA const& copy_a_dq, ThrA const& thr_a_dq,
-                                       CopyB const& copy_b_dq, ThrB const& thr_b_dq) {
+                                       SmemDs const& sdS, SmemKt const& sKt, int tid) {
+  typename Traits::TiledMmadQ mma_dq;
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});  // (MMA, M, D)
   clear(acc_dq);
-  gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, thr_a_dq, copy_b_dq, thr_b_dq);
+  gemm_smem<typename Traits::SmemCopyAtom, typename Traits::SmemCopyAtomTransposed>(acc_dq, mma_dq, sdS, sKt, tid);
   float* slots = dq_accum_slots<Traits>(p, seq, head, m_block);  // no bounds checks: whole blocks
   static_assert(decltype(size(acc_dq))::value % kDqAccumVec == 0);
   CUTE_UNROLL
@@ -182,86 +245,34 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
   // ---- Loads: K and V once, Q and dO per query block (zero-filled past seqlen and head_dim).
   typename Traits::GmemTiledCopy gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
-  Tensor tQsQ = gmem_thr.partition_D(sQ);
-  Tensor tdOsdO = gmem_thr.partition_D(sdO);
-  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gK), gmem_thr.partition_D(sK), tKVcKV, keys_left, p.head_dim);
   copy_tile_bounded<true>(gmem_copy, gmem_thr.partition_S(gV), gmem_thr.partition_D(sV), tKVcKV, keys_left, p.head_dim);
-  // A whole query block without a head-dim remainder loads without bounds checks
-  // (whose zero-filling stores nvcc would otherwise issue, predicated off, in every step).
-  const bool full_head_dim = p.head_dim == kHeadDim;
-  auto load_rows = [&](auto const& rows, auto&& dst, int m_block) {
-    Tensor src = gmem_thr.partition_S(rows.block(m_block));  // (CPY, CPY_M, CPY_K)
-    if (full_head_dim && (m_block + 1) * kBlockM <= seq.seqlen_q) {
-      copy(gmem_copy, src, dst);
-    } else {
-      copy_tile_bounded<true>(gmem_copy, src, dst, tQcQ, seq.seqlen_q - m_block * kBlockM, p.head_dim);
-    }
-  };
-  auto load_q = [&](int m_block, int stage) {
-    load_rows(gQ, make_tensor(tQsQ.data() + stage * kQSize, tQsQ.layout()), m_block);
-  };
-  auto load_do = [&](int m_block) { load_rows(gdO, tdOsdO, m_block); };
+  auto load_q = query_loader<Traits>(p, seq, gQ, sQ, tid);  // (m_block, stage * kQSize)
+  auto load_do = query_loader<Traits>(p, seq, gdO, sdO, tid);
   if (!queries.empty()) {
     load_q(queries.begin, 0);
     load_do(queries.begin);
   }
   cp_async_commit();
 
-  // ---- S and dP: (kBlockM, kBlockN), both operands from shared memory.
+  // ---- The products, both operands from shared memory (gemm_smem): S = Q K^T and dP = dO V^T, (kBlockM, kBlockN);
+  // dV = P^T dO and dK = dS^T Q, (kBlockN, kHeadDim), all read transposed; dQ = dS K (add_dq).
+  using Atom = typename Traits::SmemCopyAtom;
+  using AtomT = typename Traits::SmemCopyAtomTransposed;
   typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
   auto thr_sdp = mma_sdp.get_thread_slice(tid);
-  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);     // (MMA, MMA_M, MMA_K)
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);     // (MMA, MMA_N, MMA_K)
-  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_K)
-  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);    // (MMA, MMA_N, MMA_K)
-  auto copy_a_sdp = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
-  auto thr_a_sdp = copy_a_sdp.get_thread_slice(tid);
-  auto copy_b_sdp = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
-  auto thr_b_sdp = copy_b_sdp.get_thread_slice(tid);
-  Tensor tSsQ = thr_a_sdp.partition_S(sQ);
-  Tensor tdPsdO = thr_a_sdp.partition_S(sdO);
-  Tensor tSsK = thr_b_sdp.partition_S(sK);
-  Tensor tdPsV = thr_b_sdp.partition_S(sV);
   auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
   auto thr_pds = copy_pds.get_thread_slice(tid);
   Tensor tPsP = thr_pds.partition_D(sP);
   Tensor tdSsdS = thr_pds.partition_D(sdS);
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-
-  // ---- dV and dK: (kBlockN, kHeadDim), A = P^T / dS^T, B = dO^T / Q^T, all read transposed.
-  typename Traits::TiledMmadKV mma_dkv;
-  auto thr_dkv = mma_dkv.get_thread_slice(tid);
-  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);    // (MMA, MMA_N, MMA_K over queries)
-  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K)
-  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
-  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
-  auto copy_a_dkv = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
-  auto thr_a_dkv = copy_a_dkv.get_thread_slice(tid);
-  auto copy_b_dkv = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
-  auto thr_b_dkv = copy_b_dkv.get_thread_slice(tid);
-  Tensor tdVsPt = thr_a_dkv.partition_S(sPt);
-  Tensor tdKsdSt = thr_a_dkv.partition_S(sdSt);
-  Tensor tdVsdOt = thr_b_dkv.partition_S(sdOt);
-  Tensor tdKsQt = thr_b_dkv.partition_S(sQt);
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   clear(acc_dk);
   clear(acc_dv);
-
-  // ---- dQ: (kBlockM, kHeadDim), A = dS, B = K^T.
-  typename Traits::TiledMmadQ mma_dq;
-  auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_K over keys)
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);  // (MMA, MMA_D, MMA_K)
-  auto copy_a_dq = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
-  auto thr_a_dq = copy_a_dq.get_thread_slice(tid);
-  auto copy_b_dq = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
-  auto thr_b_dq = copy_b_dq.get_thread_slice(tid);
-  Tensor tdQsdS = thr_a_dq.partition_S(sdS);
-  Tensor tdQsKt = thr_b_dq.partition_S(sKt);
 
   constexpr int kRows = decltype(size<0>(tScS_rc))::value;
   int q_stage = 0;
@@ -275,10 +286,9 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
     load_row_stats(p, row_stats, seq.seqlen_q, m_block * kBlockM, tScS_rc, lse_log2, d);
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
     clear(acc_s);
-    gemm_ss(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + q_stage * kQSize, tSsQ.layout()), tSsK, mma_sdp, copy_a_sdp,
-            thr_a_sdp, copy_b_sdp, thr_b_sdp);
+    gemm_smem<Atom, Atom>(acc_s, mma_sdp, sQ, sK, tid, q_stage * kQSize, 0);
     if (kQStages == 2 && has_next) {  // the other stage was last read before this step's barrier
-      load_q(m_block + 1, q_stage ^ 1);
+      load_q(m_block + 1, (q_stage ^ 1) * kQSize);
       cp_async_commit();
     }
 
@@ -288,27 +298,12 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
     scores_to_probs<V>(s, dtanh, tScS_rc, m_block * kBlockM, n_block * kBlockN, p, seq, head, lse_log2, masked,
                        no_alibi);
     // has_dropout: the probabilities that dropout keeps (a bit each), for P's copy and for dP.
-    const auto keep = [&] {
-      if constexpr (has_dropout(V)) {
-        return keep_mask(Dropout::make(p, seq.batch, head), tScS_rc, m_block * kBlockM, n_block * kBlockN);
-      } else {
-        return nullptr;
-      }
-    }();
-    if constexpr (has_dropout(V)) {  // dV's products take the kept probabilities (unscaled: see the end)
-      Tensor kept = make_fragment_like(acc_s);
-      Tensor kept_rc = make_tensor(kept.data(), s.layout());
-      CUTE_UNROLL
-      for (int i = 0; i < size(kept); ++i) kept(i) = acc_s(i);
-      apply_keep(kept_rc, keep, 1.f);
-      copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(kept)), tPsP);
-    } else {
-      copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_s)), tPsP);
-    }
+    const auto keep = keep_mask_if<has_dropout(V)>(p, seq.batch, head, tScS_rc, m_block * kBlockM, n_block * kBlockN);
+    store_probs<Element, V>(acc_s, keep, copy_pds, thr_pds, tPsP);
 
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_dp);
-    gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, copy_a_sdp, thr_a_sdp, copy_b_sdp, thr_b_sdp);
+    gemm_smem<Atom, Atom>(acc_dp, mma_sdp, sdO, sV, tid);
     Tensor dp = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));  // (rows, cols)
     if constexpr (has_dropout(V)) apply_keep(dp, keep, p.dropout_scale);  // the kept probabilities' gradient
     probs_to_grads(s, dp, d, grad_scale<V>(p));
@@ -316,7 +311,7 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
     copy(copy_pds, thr_pds.retile_S(convert_fragment<Element>(acc_dp)), tdSsdS);
     __syncthreads();  // P and dS are in shared memory
 
-    gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, mma_dkv, copy_a_dkv, thr_a_dkv, copy_b_dkv, thr_b_dkv);
+    gemm_smem<AtomT, AtomT>(acc_dv, mma_dkv, sPt, sdOt, tid);
     if (has_next) {
       __syncthreads();  // no warp reads dO any more
       load_do(m_block + 1);
@@ -325,8 +320,7 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
 
     // One call, the Q stage in its pointer: with a call per stage in two branches, nvcc predicates both
     // and issues them all.
-    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, make_tensor(tdKsQt.data() + q_stage * kQSize, tdKsQt.layout()), mma_dkv,
-            copy_a_dkv, thr_a_dkv, copy_b_dkv, thr_b_dkv);
+    gemm_smem<AtomT, AtomT>(acc_dk, mma_dkv, sdSt, sQt, tid, 0, q_stage * kQSize);
     if (kQStages == 1 && has_next) {
       __syncthreads();  // no warp reads Q any more
       load_q(m_block + 1, 0);
@@ -335,8 +329,7 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
     // dQ last: the registers its reductions read are reused by the next step's first products only after
     // the loop's barrier, not by dK's fragment loads right away, which would wait for the reductions.
     if (!p.deterministic) {
-      add_dq<Traits>(p, seq, head, m_block, mma_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_a_dq, thr_a_dq, copy_b_dq,
-                     thr_b_dq);
+      add_dq<Traits>(p, seq, head, m_block, sdS, sKt, tid);
     }
     q_stage ^= kQStages - 1;
   };
