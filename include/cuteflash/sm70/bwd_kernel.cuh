@@ -57,27 +57,16 @@ __device__ __forceinline__ float read_block_max(float const* warp_max) {
   return x;
 }
 
-// One step of either kernel: query block m_block against key block n_block, with Q and dO of the block in
-// `buf` and K and V in shared memory. Writes P p_scale(p) and dS s split in hi' / lo to shared memory;
-// s = 2^ds_exp, the same in every thread (ds_exp = 0 before the first step), updated when this step's dS
-// needs another. When a thread returns, every thread is done with buf.scratch (which may take the next Q).
-// Returns the factor (new s / old s, or 1) by which sums kept in units of s must be rescaled before this
-// step's dS is added; sum_abs_max() gives the largest |element| of the calling thread's share of them.
-// `row` holds the statistics of the calling thread's row of the element-wise phase (tid / kThreadsPerRow).
-template <typename Traits, Variant V, typename SumAbsMax>
-__device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename Traits::Buffers const& buf,
-                                 BwdParams const& p, Sequence const& seq, int m_block, int n_block, RowStats const& row,
-                                 int& ds_exp, SumAbsMax const& sum_abs_max) {
+// S = Q K^T and dP = dO V^T of a step (probs_and_grads) into the two halves of the scratch, fp32. A warp computes
+// kScoreGroup tiles of one row of either product: independent chains that share their A fragments (one barrier for
+// both products instead of one each).
+template <typename Traits>
+__device__ __forceinline__ void score_products(typename Traits::SharedStorage& smem,
+                                               typename Traits::Buffers const& buf) {
   constexpr int kLd = Traits::kLdQKV;
-  constexpr int kCols = Traits::kCols;
-  constexpr int kTilesN = Traits::kBlockN / 16;
-  const int tid = thread_index<Traits::kNThreads>();
-  const int warp = tid / 32;
+  const int warp = thread_index<Traits::kNThreads>() / 32;
   float* scratch = buf.scratch;
-
-  // S = Q K^T and dP = dO V^T into the two halves of the scratch, fp32. A warp computes kScoreGroup tiles
-  // of one row of either product: independent chains that share their A fragments (one barrier for
-  // both products instead of one each).
+  constexpr int kTilesN = Traits::kBlockN / 16;
   constexpr int kGroup = Traits::kScoreGroup;
   constexpr int kUnits = Traits::kScoreTiles / kGroup;  // per product
   for (int u = warp; u < 2 * kUnits; u += Traits::kNWarps) {
@@ -106,6 +95,25 @@ __device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename 
       nvcuda::wmma::store_matrix_sync(out + g * 16, acc[g], Traits::kLdS, nvcuda::wmma::mem_row_major);
     }
   }
+}
+
+// One step of either kernel: query block m_block against key block n_block, with Q and dO of the block in
+// `buf` and K and V in shared memory. Writes P p_scale(p) and dS s split in hi' / lo to shared memory;
+// s = 2^ds_exp, the same in every thread (ds_exp = 0 before the first step), updated when this step's dS
+// needs another. When a thread returns, every thread is done with buf.scratch (which may take the next Q).
+// Returns the factor (new s / old s, or 1) by which sums kept in units of s must be rescaled before this
+// step's dS is added; sum_abs_max() gives the largest |element| of the calling thread's share of them.
+// `row` holds the statistics of the calling thread's row of the element-wise phase (tid / kThreadsPerRow).
+template <typename Traits, Variant V, typename SumAbsMax>
+__device__ float probs_and_grads(typename Traits::SharedStorage& smem, typename Traits::Buffers const& buf,
+                                 BwdParams const& p, Sequence const& seq, int m_block, int n_block, RowStats const& row,
+                                 int& ds_exp, SumAbsMax const& sum_abs_max) {
+  constexpr int kCols = Traits::kCols;
+  const int tid = thread_index<Traits::kNThreads>();
+  const int warp = tid / 32;
+  float* scratch = buf.scratch;
+
+  score_products<Traits>(smem, buf);
   __syncthreads();
 
   // Each thread reads kCols floats of a row of S and dP and writes kCols halves of P and dS with vector
