@@ -14,6 +14,7 @@
 // no two elements of a call share a draw.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "cuteflash/common/params.h"
@@ -239,5 +240,10 @@ __device__ __forceinline__ void apply_keep(Tensor& x, KeepMask<kRows, kCols> con
     for (int ni = 0; ni < kCols; ++ni) x(mi, ni) = keep(mi, ni) ? x(mi, ni) * scale : 0.f;
   }
 }
+
+// A kernel without dropout has no bits (keep_mask_if<false>): nothing to apply. Its calls sit in discarded
+// `if constexpr (has_dropout(V))` branches, which CUDA 11.8 still resolves inside a generic lambda.
+template <typename Tensor>
+__device__ __forceinline__ void apply_keep(Tensor&, std::nullptr_t, float) {}
 
 }  // namespace cuteflash
