@@ -24,6 +24,52 @@ namespace cuteflash::sm70 {
 
 using namespace cute;
 
+// kPaged: the pages of the thread's rows of key block n_block, looked up a block ahead, so that the loads wait for no
+// read of the block table.
+template <typename Traits>
+__device__ __forceinline__ void look_up_pages(FwdParams const& p, Sequence const& seq, int n_block,
+                                              int (&pages)[Traits::CopyKV::kRowsPerThread], int tid) {
+  using CopyKV = typename Traits::CopyKV;
+  CUTE_UNROLL
+  for (int m = 0; m < CopyKV::kRowsPerThread; ++m) {
+    const int key = n_block * Traits::kBlockN + CopyKV::row(tid, m);
+    pages[m] = tid < CopyKV::kThreads ? key_page(p, seq, key, log2_page_size(p)) : -1;
+  }
+}
+
+// Key block n_block of K or V (rows: its head's blocks, t: its operand) into the registers regs (Volta has no
+// cp.async), zeros past seqlen_k and head_dim; kPaged: from the paged cache, on the pages look_up_pages found.
+template <typename Traits, bool kPaged, typename Rows, typename Regs>
+__device__ __forceinline__ void load_kv(FwdParams const& p, Sequence const& seq, Rows const& rows, Operand const& t,
+                                        int head_k, int n_block, int const (&pages)[Traits::CopyKV::kRowsPerThread],
+                                        Regs& kv_regs, int tid) {
+  using Element = typename Traits::Element;
+  using CopyKV = typename Traits::CopyKV;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  if constexpr (kPaged) {
+    // Whether every row of mine is read (keys past seqlen_k and threads past the copy have page -1), on a page
+    // of the cache, over the whole head dim: then the copy checks nothing (all tiles but a sequence's last).
+    bool whole = p.head_dim == kHeadDim;
+    CUTE_UNROLL
+    for (int m = 0; m < CopyKV::kRowsPerThread; ++m) whole = whole && unsigned(pages[m]) < unsigned(p.num_pages);
+    if (whole) {
+      auto row_at = [&](int m, int r) {
+        return t.at<Element const>(pages[m], head_k,
+                                   page_place(p, seq, n_block * kBlockN + r, log2_page_size(p)).in_page);
+      };
+      CopyKV::template load_rows<false>(row_at, kv_regs, p.head_dim, tid);
+    } else {
+      auto row_at = [&](int m, int r) {
+        return paged_key<Element>(p, seq, t, head_k, n_block * kBlockN + r, pages[m], log2_page_size(p));
+      };
+      CopyKV::template load_rows<true>(row_at, kv_regs, p.head_dim, tid);
+    }
+  } else {
+    CopyKV::load(rows.block(n_block), kv_regs, seq.seqlen_k - n_block * kBlockN, p.head_dim, tid);
+  }
+}
+
 // Query block m_block of one (sequence, head); where the keys are split (splits_keys), split key_split(p) of them.
 template <typename Traits, Variant V, bool kPaged>
 __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& seq, int head, int m_block) {
@@ -117,47 +163,20 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   using CopyKV = typename Traits::CopyKV;
   auto kv_regs = CopyKV::make_regs();
   int pages[CopyKV::kRowsPerThread];
-  auto look_up_pages = [&](int n_block) {
-    CUTE_UNROLL
-    for (int m = 0; m < CopyKV::kRowsPerThread; ++m) {
-      const int key = n_block * kBlockN + CopyKV::row(tid, m);
-      pages[m] = tid < CopyKV::kThreads ? key_page(p, seq, key, log2_page_size(p)) : -1;
-    }
-  };
-  auto load_kv = [&](auto const& rows, Operand const& t, int n_block) {
-    if constexpr (kPaged) {
-      // Whether every row of mine is read (keys past seqlen_k and threads past the copy have page -1), on a page
-      // of the cache, over the whole head dim: then the copy checks nothing (all tiles but a sequence's last).
-      bool whole = p.head_dim == kHeadDim;
-      CUTE_UNROLL
-      for (int m = 0; m < CopyKV::kRowsPerThread; ++m) whole = whole && unsigned(pages[m]) < unsigned(p.num_pages);
-      if (whole) {
-        auto row_at = [&](int m, int r) {
-          return t.at<Element const>(pages[m], head_k,
-                                     page_place(p, seq, n_block * kBlockN + r, log2_page_size(p)).in_page);
-        };
-        CopyKV::template load_rows<false>(row_at, kv_regs, p.head_dim, tid);
-      } else {
-        auto row_at = [&](int m, int r) {
-          return paged_key<Element>(p, seq, t, head_k, n_block * kBlockN + r, pages[m], log2_page_size(p));
-        };
-        CopyKV::template load_rows<true>(row_at, kv_regs, p.head_dim, tid);
-      }
-    } else {
-      CopyKV::load(rows.block(n_block), kv_regs, seq.seqlen_k - n_block * kBlockN, p.head_dim, tid);
-    }
+  auto load = [&](auto const& rows, Operand const& t, int n_block) {
+    load_kv<Traits, kPaged>(p, seq, rows, t, head_k, n_block, pages, kv_regs, tid);
   };
   if (!keys.empty()) {
-    if constexpr (kPaged) look_up_pages(keys.begin);
-    load_kv(gK, p.k, keys.begin);
+    if constexpr (kPaged) look_up_pages<Traits>(p, seq, keys.begin, pages, tid);
+    load(gK, p.k, keys.begin);
     CopyKV::store(kv_regs, sK, tid);
-    load_kv(gV, p.v, keys.begin);
+    load(gV, p.v, keys.begin);
   }
 
   for (int n_block = keys.begin; n_block < keys.end; ++n_block) {
     const bool has_next = n_block + 1 < keys.end;
     if constexpr (kPaged) {
-      if (has_next) look_up_pages(n_block + 1);
+      if (has_next) look_up_pages<Traits>(p, seq, n_block + 1, pages, tid);
     }
     __syncthreads();  // K(n) is in sK; no warp still reads sV
     CopyKV::store(kv_regs, sV, tid);
@@ -195,7 +214,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     }
     // K(n + 1) into the registers that held V(n): loaded after S's products, which give the stores of
     // V(n) the time to read them (loads issued right after those stores would wait for them).
-    if (has_next) load_kv(gK, p.k, n_block + 1);
+    if (has_next) load(gK, p.k, n_block + 1);
     __syncwarp();
 
     // Online softmax of my row's part of the block: new max, rescale factor, P as hi / lo, row sum.
@@ -298,7 +317,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
       }
     }
     // V(n + 1), after O's rescale (the stores of K(n + 1) read the registers meanwhile).
-    if (has_next) load_kv(gV, p.v, n_block + 1);
+    if (has_next) load(gV, p.v, n_block + 1);
     auto const* sv = reinterpret_cast<__half const*>(smem.v.data());
     CUTE_UNROLL
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
