@@ -37,7 +37,7 @@ __device__ __forceinline__ void look_up_pages(FwdParams const& p, Sequence const
   }
 }
 
-// Key block n_block of K or V (rows: its head's blocks, t: its operand) into the registers regs (Volta has no
+// Key block n_block of K or V (rows: its head's blocks, t: its operand) into the registers kv_regs (Volta has no
 // cp.async), zeros past seqlen_k and head_dim; kPaged: from the paged cache, on the pages look_up_pages found.
 template <typename Traits, bool kPaged, typename Rows, typename Regs>
 __device__ __forceinline__ void load_kv(FwdParams const& p, Sequence const& seq, Rows const& rows, Operand const& t,
