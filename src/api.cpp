@@ -49,20 +49,35 @@ void require(bool ok, std::string const& what) {
   if (!ok) throw std::invalid_argument("cuteflash: " + what);
 }
 
-// An operand's address: not null, and 16-byte aligned (cp.async and the 16-byte epilogue stores move 8 elements
-// at a time).
+// The dtype of a dtype code (params.h's DType), checked.
+DType checked_dtype(int code) {
+  require(code == int(DType::kFloat16) || code == int(DType::kBFloat16), "unknown dtype code");
+  return DType(code);
+}
+
+// An operand's address: not null, and aligned to the kVectorBytes the kernels move at a time (params.h).
 void check_address(char const* name, uintptr_t ptr) {
-  if (ptr == 0 || ptr % 16 != 0) {
-    throw std::invalid_argument(std::string("cuteflash: ") + name +
-                                (ptr == 0 ? " is a null pointer" : " must be 16-byte aligned"));
+  if (ptr == 0 || ptr % kVectorBytes != 0) {
+    throw std::invalid_argument(
+        std::string("cuteflash: ") + name +
+        (ptr == 0 ? " is a null pointer" : " must be " + std::to_string(kVectorBytes) + "-byte aligned"));
   }
 }
 
-void check_operand(char const* name, Operand const& t) {
+// A head dim of elements of dtype: whole vectors (vector_elements), as the kernels read and write rows.
+void check_head_dim(int head_dim, DType dtype, char const* what) {
+  const int vector = vector_elements(dtype);
+  require(head_dim >= vector && head_dim % vector == 0,
+          std::string(what) + " must be a positive multiple of " + std::to_string(vector) + " (pad it)");
+}
+
+void check_operand(char const* name, Operand const& t, DType dtype) {
   check_address(name, reinterpret_cast<uintptr_t>(t.ptr));
   const std::string n(name);
+  const int vector = vector_elements(dtype);
   for (int64_t stride : {t.batch_stride, t.row_stride, t.head_stride}) {
-    require(stride >= 0 && stride % 8 == 0, n + " strides must be non-negative multiples of 8");
+    require(stride >= 0 && stride % vector == 0,
+            n + " strides must be non-negative multiples of " + std::to_string(vector));
   }
   // Offsets inside a block of rows are 32-bit (HeadRows, utils.cuh): 2^24 x 128 rows stays below 2^31.
   require(t.row_stride < (int64_t(1) << 24), n + " row stride must be below 2^24 elements (pass a contiguous tensor)");
@@ -156,18 +171,17 @@ void fill_options(FwdParams& p, Options const& o, bool varlen) {
 // fills the forward's params. Returns false when there is nothing to compute.
 bool fill_fwd_params(FwdParams& p, Problem const& problem, Varlen const& varlen, Options const& options,
                      bool kv_cache = false) {
-  const DType dtype = DType(problem.dtype);
+  const DType dtype = checked_dtype(problem.dtype);
   Operand const &q = problem.q, &k = problem.k, &v = problem.v, &out = problem.out;
   const int batch = problem.batch, nheads = problem.nheads, nheads_k = problem.nheads_k, head_dim = problem.head_dim;
   int seqlen_q = problem.seqlen_q, seqlen_k = problem.seqlen_k;
   const uintptr_t lse = problem.lse;
   const float softmax_scale = problem.softmax_scale;
-  require(dtype == DType::kFloat16 || dtype == DType::kBFloat16, "unknown dtype code");
   require(batch >= 0 && seqlen_q >= 0 && seqlen_k >= 0, "sizes must be non-negative");
   require(seqlen_q < kMaxSeqlen && seqlen_k < kMaxSeqlen, "seqlen_q and seqlen_k must be below 2^30");
   require(nheads >= 1 && nheads_k >= 1 && nheads % nheads_k == 0, "nheads must be a multiple of nheads_k");
   require(nheads <= 65535 && batch <= 65535, "batch and nheads must be at most 65535");
-  require(head_dim >= 8 && head_dim % 8 == 0, "head_dim must be a positive multiple of 8 (pad it)");
+  check_head_dim(head_dim, dtype, "head_dim");
   require(round_up_head_dim(head_dim) > 0, "head_dim must be at most 256");
   require(softmax_scale > 0.f, "softmax_scale must be positive");
   if (varlen.on()) {
@@ -188,10 +202,9 @@ bool fill_fwd_params(FwdParams& p, Problem const& problem, Varlen const& varlen,
   } else if (batch == 0 || seqlen_q == 0) {
     return false;
   }
-  check_operand("q", q);
-  check_operand("k", k);
-  check_operand("v", v);
-  check_operand("out", out);
+  for (auto [t, name] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}, std::pair{&out, "out"}}) {
+    check_operand(name, *t, dtype);
+  }
   require(lse != 0 && lse % 4 == 0, "softmax_lse must be an aligned float32 buffer");
 
   p.q = q;
@@ -485,25 +498,27 @@ std::optional<FwdLaunch> fwd_launch(Problem const& problem, Varlen const& varlen
   return FwdLaunch{p, kernel, current_device(), stream, decode && num_splits > 1};
 }
 
-// Appends k_new and v_new (batch, seqlen_new, nheads_k, head_dim) to the caches at row cache_seqlens[b] of each
-// sequence b (cache_append.cuh); the caches' other arguments as in Cache.
-void append_kv(std::string const& family_name, Operand const& k_new, Operand const& v_new, Operand const& k_cache,
-               Operand const& v_cache, int batch, int seqlen_new, int nheads_k, int head_dim, Cache const& cache,
-               uintptr_t stream) {
+// Appends k_new and v_new (batch, seqlen_new, nheads_k, head_dim, of dtype code dtype) to the caches at row
+// cache_seqlens[b] of each sequence b (cache_append.cuh); the caches' other arguments as in Cache.
+void append_kv(std::string const& family_name, int dtype_code, Operand const& k_new, Operand const& v_new,
+               Operand const& k_cache, Operand const& v_cache, int batch, int seqlen_new, int nheads_k, int head_dim,
+               Cache const& cache, uintptr_t stream) {
   const int family = parse_family(family_name);
-  require(batch >= 0 && seqlen_new >= 0 && nheads_k >= 1 && head_dim >= 8 && head_dim % 8 == 0,
-          "append_kv: sizes out of range");
+  const DType dtype = checked_dtype(dtype_code);
+  require(batch >= 0 && seqlen_new >= 0 && nheads_k >= 1, "append_kv: sizes out of range");
+  check_head_dim(head_dim, dtype, "append_kv: head_dim");
   if (batch == 0 || seqlen_new == 0) return;
   for (auto [t, name] : {std::pair{&k_new, "k"}, std::pair{&v_new, "v"}, std::pair{&k_cache, "k_cache"},
                          std::pair{&v_cache, "v_cache"}}) {
-    check_operand(name, *t);
+    check_operand(name, *t, dtype);
   }
   FwdParams p{};
   require(cache.seqused_k != 0, "appending to a cache needs cache_seqlens");
   fill_cache(p, cache);
-  AppendParams a{k_new,       v_new,       k_cache,        v_cache,    batch,     seqlen_new,    nheads_k,
-                 head_dim,    p.seqused_k, p.kv_batch_idx, p.kv_batch, p.kv_rows, p.block_table, p.block_table_stride,
-                 p.page_size, p.num_pages};
+  AppendParams a{k_new,          v_new,      k_cache,   v_cache,       element_bytes(dtype),
+                 batch,          seqlen_new, nheads_k,  head_dim,      p.seqused_k,
+                 p.kv_batch_idx, p.kv_batch, p.kv_rows, p.block_table, p.block_table_stride,
+                 p.page_size,    p.num_pages};
   require_family_runs(family);
   family_info(family).append(a, reinterpret_cast<cudaStream_t>(stream));
 }
@@ -556,10 +571,9 @@ std::optional<BwdLaunch> bwd_launch(Problem const& problem, Varlen const& varlen
     return std::nullopt;  // the caller zeroes the gradients
   }
   const int batch = problem.batch, nheads = problem.nheads, head_dim = problem.head_dim;
-  check_operand("dout", dout);
-  check_operand("dk", dk);
-  check_operand("dv", dv);
-  check_operand("dq", dq);
+  for (auto [t, name] : {std::pair{&dout, "dout"}, std::pair{&dk, "dk"}, std::pair{&dv, "dv"}, std::pair{&dq, "dq"}}) {
+    check_operand(name, *t, DType(problem.dtype));
+  }
   if (varlen.on()) {
     for (Operand const* t : {&dout, &dk, &dv, &dq}) {
       require(t->batch_stride == 0, "a variable-length batch's operands have a batch stride of 0");
@@ -730,9 +744,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("cache"), py::arg("num_splits"),
         "(decode, splits, o_accum_floats, lse_accum_floats): whether the decoding kernel (else the tiled ones) "
         "computes a forward pass, in how many splits of the keys, and their workspace in floats.");
-  m.def("append_kv", &cuteflash::append_kv, py::arg("family"), py::arg("k"), py::arg("v"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("batch"), py::arg("seqlen_new"), py::arg("nheads_k"), py::arg("head_dim"),
-        py::arg("cache"), py::arg("stream"),
+  m.def("append_kv", &cuteflash::append_kv, py::arg("family"), py::arg("dtype"), py::arg("k"), py::arg("v"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("batch"), py::arg("seqlen_new"), py::arg("nheads_k"),
+        py::arg("head_dim"), py::arg("cache"), py::arg("stream"),
         "Appends new keys and values to a KV cache at each sequence's cache_seqlens.");
   m.def("bwd_workspace", &cuteflash::bwd_workspace, py::arg("family"), py::arg("head_dim"), py::arg("batch"),
         py::arg("nheads"), py::arg("seqlen_q"), py::arg("deterministic"), py::arg("total_q") = -1,

@@ -160,6 +160,42 @@ def test_extension_rechecks_backward_arguments(overrides, message):
         call_c("bwd", **overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"dtype": 7}, "unknown dtype"),
+        ({"head_dim": 12}, "head_dim must be a positive multiple of 8"),
+        ({"k_cache": (520, (64, 64, 64))}, "k_cache must be 16-byte aligned"),
+        ({"v": (768, (64, 60, 64))}, "v strides must be non-negative multiples of 8"),
+    ],
+)
+def test_extension_rechecks_cache_append_arguments(overrides, message):
+    pytest.importorskip("cuteflash._C")
+    from cuteflash import _lib
+
+    args = dict(
+        family="sm80",
+        dtype=0,
+        k=(256, 64, 64, 64),
+        v=(512, 64, 64, 64),
+        k_cache=(768, 64, 64, 64),
+        v_cache=(1024, 64, 64, 64),
+        batch=1,
+        seqlen_new=1,
+        nheads_k=1,
+        head_dim=64,
+        # (seqused_k, seqlen_new, leftpad_k, kv_batch_idx, kv_batch, kv_rows, block_table, its stride, page_size,
+        # num_pages)
+        cache=(4096, 1, 0, 0, 1, 16, 0, 0, 0, 0),
+        stream=0,
+    )
+    args.update(
+        {name: (value[0], *value[1]) if isinstance(value, tuple) else value for name, value in overrides.items()}
+    )
+    with pytest.raises(ValueError, match=message):
+        _lib.compiled_module().append_kv(**args)
+
+
 def test_backward_workspace_rule():
     pytest.importorskip("cuteflash._C")
     from cuteflash import _lib

@@ -418,6 +418,7 @@ def append_kv(k_cache, v_cache, k, v, cache: Cache) -> None:
         k.device,
         compiled_module().append_kv,
         select_family(k.device),
+        _DTYPE_CODES[k.dtype],
         _operand(k),
         _operand(v),
         _operand(k_cache),
@@ -854,7 +855,7 @@ def _backward_planned(plan: FwdPlan, dout, q, k, v, out, lse, *cu_seqlens) -> tu
     """dq, dk, dv of a call that plan served (bwd_into's work with the checks and the planning done); cu_seqlens: a
     variable-length batch's cu_seqlens_q and cu_seqlens_k."""
     bwd = _bwd_plan(plan, dout, q, k, v)
-    if not bwd or dout.data_ptr() % 16 or q.device.index != _current_device():
+    if not bwd or dout.data_ptr() % VECTOR_BYTES or q.device.index != _current_device():
         grads = [_empty_contiguous(t) for t in (q, k, v)]
         problem = plan.problem
         varlen = Varlen(*cu_seqlens, problem.seqlen_q, problem.seqlen_k) if plan.varlen else None
@@ -907,7 +908,7 @@ def run_planned(plan: FwdPlan, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None) ->
     """out of a call with a FwdPlan (through PlannedAttention where a gradient is wanted), or None where this call
     cannot take it: an operand not 16-byte aligned, or another current device (the general path handles both)."""
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
-    if (ptrs[0] | ptrs[1] | ptrs[2]) % 16 or plan.device != _current_device():
+    if (ptrs[0] | ptrs[1] | ptrs[2]) % VECTOR_BYTES or plan.device != _current_device():
         return None
     cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if plan.varlen else ()
     ptrs += tuple(t.data_ptr() for t in cu_seqlens) if cu_seqlens else (0, 0)
@@ -946,7 +947,9 @@ def run_planned_kvcache(plan: KvcachePlan, q, k_cache, v_cache, k, v, cache: Cac
     device."""
     ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
     new = () if k is None else (k.data_ptr(), v.data_ptr())
-    if (ptrs[0] | ptrs[1] | ptrs[2] | (new[0] | new[1] if new else 0)) % 16 or plan.fwd.device != _current_device():
+    if (
+        ptrs[0] | ptrs[1] | ptrs[2] | (new[0] | new[1] if new else 0)
+    ) % VECTOR_BYTES or plan.fwd.device != _current_device():
         return None
     cache_ptrs = (cache.seqlens.data_ptr(), _ptr(cache.leftpad), _ptr(cache.batch_idx), _ptr(cache.block_table))
     if new:
@@ -954,7 +957,8 @@ def run_planned_kvcache(plan: KvcachePlan, q, k_cache, v_cache, k, v, cache: Cac
         cache_arg = (cache_ptrs[0], fields[0], *cache_ptrs[1:3], *fields[1:3], cache_ptrs[3], *fields[3:])
         ks, vs, kcs, vcs, *sizes = plan.append
         operands = ((new[0], *ks), (new[1], *vs), (ptrs[1], *kcs), (ptrs[2], *vcs))
-        compiled_module().append_kv(plan.fwd.problem.family, *operands, *sizes, cache_arg, _stream(q.device))
+        problem = plan.fwd.problem
+        compiled_module().append_kv(problem.family, problem.dtype, *operands, *sizes, cache_arg, _stream(q.device))
     return _run_planned(plan.fwd, (*ptrs, 0, 0), q, keep_lse, cache_ptrs)
 
 

@@ -1,6 +1,6 @@
 // Appending flash_attn_with_kvcache's new keys and values to a KV cache (params.h's AppendParams), before the
-// attention kernel reads the cache on the same stream. Elements are moved as bytes, 16 at a time, so one kernel
-// serves every 2-byte dtype; a row whose place in the cache does not exist (past its rows, a page or cache batch
+// attention kernel reads the cache on the same stream. Rows are moved as bytes, kVectorBytes at a time, so one
+// kernel serves every dtype; a row whose place in the cache does not exist (past its rows, a page or cache batch
 // out of range) is left out rather than written out of bounds.
 #pragma once
 
@@ -14,7 +14,7 @@
 namespace cuteflash {
 
 static __global__ void __launch_bounds__(256) append_kv_kernel(const AppendParams a) {
-  const int chunks = a.head_dim / 8;  // 16 bytes each
+  const int chunks = a.head_dim * a.element_bytes / kVectorBytes;
   const int64_t total = int64_t(a.batch) * a.seqlen_new * a.nheads_k * chunks;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
@@ -31,10 +31,12 @@ static __global__ void __launch_bounds__(256) append_kv_kernel(const AppendParam
       cache_batch = a.kv_batch_idx[b];
       if (cache_batch < 0 || cache_batch >= a.kv_batch) continue;
     }
-    *reinterpret_cast<uint4*>(a.k_cache.at<uint16_t>(cache_batch, head, row) + c * 8) =
-        *reinterpret_cast<uint4 const*>(a.k_new.at<uint16_t const>(b, head, t) + c * 8);
-    *reinterpret_cast<uint4*>(a.v_cache.at<uint16_t>(cache_batch, head, row) + c * 8) =
-        *reinterpret_cast<uint4 const*>(a.v_new.at<uint16_t const>(b, head, t) + c * 8);
+    static_assert(sizeof(uint4) == kVectorBytes);
+    const int at = c * kVectorBytes;
+    *reinterpret_cast<uint4*>(a.k_cache.bytes_at(a.element_bytes, cache_batch, head, row) + at) =
+        *reinterpret_cast<uint4 const*>(a.k_new.bytes_at(a.element_bytes, b, head, t) + at);
+    *reinterpret_cast<uint4*>(a.v_cache.bytes_at(a.element_bytes, cache_batch, head, row) + at) =
+        *reinterpret_cast<uint4 const*>(a.v_new.bytes_at(a.element_bytes, b, head, t) + at);
   }
 }
 

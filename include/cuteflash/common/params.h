@@ -14,6 +14,13 @@ namespace cuteflash {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
 
+// The bytes of an element of each dtype, and the bytes the kernels move at a time (cp.async, ldmatrix's rows, the
+// epilogues' stores, the cache append): operands' addresses are aligned to kVectorBytes, and their strides and head
+// dims are multiples of vector_elements(dtype).
+constexpr int kVectorBytes = 16;
+constexpr int element_bytes(DType) { return 2; }  // fp16 and bf16
+constexpr int vector_elements(DType dtype) { return kVectorBytes / element_bytes(dtype); }
+
 // A (batch, seqlen, heads, head_dim) tensor in flash-attn's layout: its first element and the strides, in
 // elements, of its first three dimensions (the last dimension is contiguous).
 struct Operand {
@@ -26,6 +33,11 @@ struct Operand {
   template <typename Element>
   CUTEFLASH_HOST_DEVICE Element* at(int batch, int head, int64_t row = 0) const {
     return static_cast<Element*>(ptr) + batch * batch_stride + head * head_stride + row * row_stride;
+  }
+
+  // The same row's first byte, for elements of element_bytes bytes.
+  CUTEFLASH_HOST_DEVICE char* bytes_at(int element_bytes, int batch, int head, int64_t row = 0) const {
+    return static_cast<char*>(ptr) + (batch * batch_stride + head * head_stride + row * row_stride) * element_bytes;
   }
 };
 
@@ -50,7 +62,7 @@ struct FwdParams {
   // which sizes the grids only: a longer sequence is still computed whole.
   int seqlen_q;
   int seqlen_k;
-  int head_dim;  // the real head dim, <= the kernel's kHeadDim and a multiple of 8
+  int head_dim;  // the real head dim, <= the kernel's kHeadDim and a multiple of vector_elements
 
   // Variable-length batches: the (batch + 1) int32 prefix sums of the sequences' lengths, on the GPU;
   // sequence b has rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q. Null in a fixed-length batch.
@@ -118,10 +130,11 @@ struct FwdParams {
 struct AppendParams {
   Operand k_new, v_new;      // (batch, seqlen_new, nheads_k, head_dim), read only
   Operand k_cache, v_cache;  // like FwdParams' k and v with a cache
+  int element_bytes;         // of the dtype's elements (element_bytes)
   int batch;
   int seqlen_new;
   int nheads_k;
-  int head_dim;  // a multiple of 8; 2-byte elements
+  int head_dim;  // a multiple of vector_elements
   int const* cache_seqlens;
   int const* kv_batch_idx;
   int kv_batch;
