@@ -225,3 +225,51 @@ def test_ring_suite_shards_and_needs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert bench_ring.why_not() == "needs 2 GPUs, 1 visible"
     assert bench.parse_args(["--suite", "ring"]).suite == "ring"
+
+
+def test_compare_pairs_each_rounds_samples():
+    from cuteflash.bench_compare import paired_ratios
+
+    # Round 2 ran with the GPU's clock 10 % slower for both builds: the pairing cancels it.
+    median, q1, q3 = paired_ratios([1.0, 1.1, 1.0, 1.0], [1.01, 1.111, 1.01, 1.01])
+    assert median == pytest.approx(1.01) and q1 == pytest.approx(1.01) and q3 == pytest.approx(1.01)
+    assert paired_ratios([2.0], [1.0]) == (0.5, 0.5, 0.5)
+
+
+def test_compare_refuses_what_it_cannot_load_or_run(tmp_path, capsys):
+    from cuteflash import bench_compare
+
+    with pytest.raises(SystemExit):
+        bench_compare.main([str(tmp_path / "_C.so"), "--suites", "baselines,latency"])
+    assert "unknown suites ['latency']" in capsys.readouterr().err
+    (tmp_path / "_C.so").write_bytes(b"not a shared object")
+    with pytest.raises(ImportError):
+        bench_compare.load_module(str(tmp_path / "_C.so"))
+
+
+def test_compare_gives_each_build_its_module_and_plans():
+    """A planned call keeps the launch of the module that planned it: the comparison swaps the plans with the
+    module, and leaves the installed build's in place when a call fails."""
+    from cuteflash import _lib, interface
+    from cuteflash.bench_compare import Comparison
+
+    new_module, new_plans, old_module = _lib._C, interface._plans, object()
+    c = Comparison.__new__(Comparison)
+    c.lib, c.interface = _lib, interface
+    c.modules = {"old": old_module, "new": new_module}
+    c.plans = {"old": {}, "new": new_plans}
+    try:
+        c.use("old")
+        assert _lib._C is old_module and interface._plans is c.plans["old"]
+        c.use("new")
+        assert _lib._C is new_module and interface._plans is new_plans
+
+        def fails():
+            assert _lib._C is old_module and interface._plans is c.plans["old"]  # the old build's first call
+            raise RuntimeError("no kernel")
+
+        with pytest.raises(RuntimeError, match="no kernel"):
+            c.row("x", {"old": fails, "new": fails})
+        assert _lib._C is new_module and interface._plans is new_plans
+    finally:
+        _lib._C, interface._plans = new_module, new_plans
