@@ -120,8 +120,8 @@ def _require_head_dim(head_dim: int) -> None:
 
 
 # The shared memory of each family's smaller GPUs: a T4 and a V100 (whose 96 KB the largest sm70 backward tile
-# fills exactly at head dim 128) for sm70; sm86/89/120 and an A100 for sm80.
-_SMEM_LIMITS = {"sm70": (65536, 98304), "sm80": (101376, 166912)}
+# fills exactly at head dim 128) for sm70; a T4 for sm75; sm86/89/120 and an A100 for sm80.
+_SMEM_LIMITS = {"sm70": (65536, 98304), "sm75": (65536, 65536), "sm80": (101376, 166912)}
 
 
 @pytest.fixture(params=[0, 1], ids=["smallest", "next"])

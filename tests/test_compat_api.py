@@ -293,9 +293,12 @@ OPTION_CASES = {
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", list(OPTION_CASES))
 @pytest.mark.parametrize("seqlens", [(113, 300), (300, 113)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_forward_and_backward(seqlens, case, causal, dtype, flash_attn_compat, make_qkv, assert_close_2x):
+def test_forward_and_backward(
+    seqlens, case, causal, dtype, flash_attn_compat, make_qkv, assert_close_2x, require_support
+):
     """_flash_attn_forward and _flash_attn_backward (GQA, head dim 64) against the references; the gradients go
     into views of larger buffers, as ring-flash-attn passes them, and softmax_d is D = rowsum(dO * O)."""
+    require_support(dtype, backward=True)
     fi = flash_attn_compat.flash_attn_interface
     q, k, v = make_qkv(2, *seqlens, 8, 2, 64, dtype)
     options = dict(OPTION_CASES[case])
@@ -351,7 +354,7 @@ def test_forward_and_backward(seqlens, case, causal, dtype, flash_attn_compat, m
 def test_varlen_forward_and_backward(dtype, flash_attn_compat, require_support, assert_close_2x):
     """The varlen pair on sequences of 1 to 113 rows (GQA, causal) with 5 rows past the last sequence, which
     zero_tensors zeroes; each sequence against the references, softmax_d in flash-attn's padded layout."""
-    require_support(dtype)
+    require_support(dtype, backward=True)
     fi = flash_attn_compat.flash_attn_interface
     lengths_q, lengths_k = [1, 17, 113, 40], [5, 17, 60, 113]
     cu_q, cu_k = (torch.tensor([0, *ls], device="cuda").cumsum(0).to(torch.int32) for ls in (lengths_q, lengths_k))
@@ -409,9 +412,10 @@ def test_varlen_forward_and_backward(dtype, flash_attn_compat, require_support, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
-def test_dropout_rng_state_round_trip(softcap, flash_attn_compat, make_qkv):
+def test_dropout_rng_state_round_trip(softcap, flash_attn_compat, make_qkv, require_support):
     """With dropout (and softcap), the forward call's rng_state makes the backward call drop what it dropped: the
     results equal cuteflash's own autograd path under the same seed, bit for bit (deterministic backward)."""
+    require_support(backward=True)
     fi = flash_attn_compat.flash_attn_interface
     q, k, v = make_qkv(2, 150, 200, 4, 2, 64, torch.float16)
     dout = torch.randn_like(q)
@@ -435,9 +439,10 @@ def test_dropout_rng_state_round_trip(softcap, flash_attn_compat, make_qkv):
 
 
 @pytest.mark.gpu
-def test_opcheck(flash_attn_compat, make_qkv):
+def test_opcheck(flash_attn_compat, make_qkv, require_support):
     """torch.library.opcheck: schemas (what each op writes), fake implementations against the real ones, and
     AOT dispatch, for the four ops."""
+    require_support(backward=True)
     q, k, v = make_qkv(2, 70, 90, 4, 2, 64, torch.float16)
     out, lse, _, _ = torch.ops.flash_attn._flash_attn_forward(q, k, v, 0.0, 0.125, True, -1, -1, 0.0, None, False)
     dout = torch.randn_like(q)
@@ -527,10 +532,11 @@ def test_varlen_forward_seqused_and_leftpad(head_dim, paged, flash_attn_compat, 
 
 
 @pytest.mark.gpu
-def test_flash_attn_gpu_entry_points(flash_attn_compat, make_qkv):
+def test_flash_attn_gpu_entry_points(flash_attn_compat, make_qkv, require_support):
     """flash_attn_2_cuda (flash_attn_interface.flash_attn_gpu): flash-attn 2.8's positional entry points give the
     private functions' results bit for bit, write the given out / dq / dk / dv buffers, and return flash-attn's
     lists."""
+    require_support(backward=True)
     import flash_attn_2_cuda as gpu
 
     fi = flash_attn_compat.flash_attn_interface
@@ -576,10 +582,11 @@ def test_flash_attn_gpu_entry_points(flash_attn_compat, make_qkv):
 
 
 @pytest.mark.gpu
-def test_dropout_that_keeps_everything(flash_attn_compat, make_qkv):
+def test_dropout_that_keeps_everything(flash_attn_compat, make_qkv, require_support):
     """diffusers calls _wrapped_flash_attn_forward with dropout_p=1e-30 (to get the log-sum-exp in training): that
     keeps every probability and scales by exactly 1, so the results equal dropout_p=0's bit for bit, without the
     dropout kernels; the backward pass takes the rng_state it returns."""
+    require_support(backward=True)
     fi = flash_attn_compat.flash_attn_interface
     q, k, v = make_qkv(1, 100, 100, 2, 2, 64, torch.float16)
     out, lse, _, rng_state = fi._wrapped_flash_attn_forward(q, k, v, 1e-30, 0.125, True, -1, -1, 0.0, None, False)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not INCLUDE.exists(), reason="needs the source t
 @pytest.mark.parametrize("family", _families.NAMES)
 def test_each_family_folder_provides_the_launchers_and_traits(family):
     folder = INCLUDE / family
-    for direction in ("fwd", "bwd", "decode"):
+    for direction in (*_families.get(family).directions, "decode"):
         text = (folder / f"{direction}_launch.cuh").read_text()
         assert f"namespace cuteflash::{family}" in text and f"void run_{direction}(" in text
     tiles = (folder / "tiles.h").read_text()
@@ -33,7 +33,7 @@ def test_entries_are_consistent():
         assert set(family.dtypes) <= set(_families.DTYPES) and family.dtypes
         assert set(family.directions) <= set(_families.DIRECTIONS) and family.directions
         assert family.cc_max is None or family.cc_max >= family.cc_min
-        assert set(family.build_seconds) == {"fwd", "bwd", "decode"}
+        assert set(family.build_seconds) == {*family.directions, "decode"}
 
 
 @pytest.mark.parametrize(
@@ -42,6 +42,18 @@ def test_entries_are_consistent():
 def test_the_preferred_family_of_a_gpu(cc, preferred):
     serving = _families.serving(cc)
     assert (serving[0].name if serving else None) == preferred
+
+
+def test_a_family_still_being_built_serves_only_where_asked():
+    from cuteflash import _arch
+
+    building = [f for f in _families.FAMILIES if not f.released]
+    for family in building:
+        assert all(family not in _families.serving(cc) for cc in range(70, 130))
+        sel = _arch.parse("7.5;9.0", (13, 0))
+        assert not sel.targets[family.name]
+        sel = _arch.parse("9.0", (13, 0), {family.name: "9.0"})
+        assert [str(t) for t in sel.targets[family.name]] == ["9.0"]
 
 
 def _python_code_names(path: Path, pattern: re.Pattern) -> list[str]:

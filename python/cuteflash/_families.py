@@ -46,6 +46,9 @@ class Family:
     # head dims take longer, so a rough guide.
     build_seconds: dict[str, int]
     summary: str
+    # False for a family still being built: TORCH_CUDA_ARCH_LIST gives it no target (only its
+    # CUTEFLASH_<NAME>_EXTRA_ARCHS do) and CUTEFLASH_BACKEND=auto never takes it; CUTEFLASH_BACKEND=<name> runs it.
+    released: bool = True
 
     def serves(self, cc: int) -> bool:
         return self.cc_min <= cc and (self.cc_max is None or cc <= self.cc_max)
@@ -76,6 +79,19 @@ FAMILIES: tuple[Family, ...] = (
         build_seconds={"fwd": 125, "bwd": 250, "decode": 10},
         summary="Ampere and newer: ldmatrix, mma.m16n8k16 and cp.async",
     ),
+    Family(
+        name="sm75",
+        cc_min=75,
+        cc_max=79,
+        dtypes=("fp16",),
+        directions=("fwd",),  # (the backward and the release come next)
+        cuda_min=(11, 8),
+        cuda_max=None,
+        fp16_correction=False,
+        build_seconds={"fwd": 125, "decode": 4},  # (the sm80 family's: the same forward kernel)
+        summary="Turing: ldmatrix and mma.m16n8k8 (the sm80 family's forward with Turing's atoms)",
+        released=False,
+    ),
 )
 
 NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
@@ -97,5 +113,5 @@ def cc_text(cc: int) -> str:
 
 
 def serving(cc: int) -> list[Family]:
-    """The families that serve compute capability cc (70 for 7.0), preferred first."""
-    return sorted((f for f in FAMILIES if f.serves(cc)), key=lambda f: -f.cc_min)
+    """The released families that serve compute capability cc (70 for 7.0), preferred first."""
+    return sorted((f for f in FAMILIES if f.released and f.serves(cc)), key=lambda f: -f.cc_min)

@@ -500,6 +500,11 @@ def bwd_into(
     place). With deterministic, dQ comes from a second kernel instead of fp32 atomics: bitwise
     reproducible, and slower."""
     family = select_family(q.device)
+    if "bwd" not in _families.get(family).directions:  # a family still being built (CUTEFLASH_BACKEND forces it)
+        raise NotImplementedError(
+            f"cuteflash: the {family} kernels have no backward pass yet; detach the inputs, or leave "
+            f"{BACKEND_ENV} unset for the family this GPU runs by default"
+        )
     if "bwd" not in build_info()["families"][family]["directions"]:
         raise NotImplementedError(
             f"cuteflash: this build has no {family} backward kernels (built with CUTEFLASH_DIRECTIONS=fwd); "

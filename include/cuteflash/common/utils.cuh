@@ -79,13 +79,19 @@ __host__ __device__ constexpr auto acc_rowcol(Layout acc) {
 }
 
 // The same accumulator read as the A operand of the next m16n8k16 product (P in P.V):
-// two neighbouring n8 blocks form one k16 slice, ((4, 2), MMA_M, MMA_N / 2).
-template <typename Layout>
+// two neighbouring n8 blocks form one k16 slice, ((4, 2), MMA_M, MMA_N / 2). For m16n8k8 (kMmaK 8), whose A
+// fragment holds the values of an m16n8 accumulator in the same order, each n8 block is one k8 slice: unchanged.
+template <int kMmaK = 16, typename Layout>
 __host__ __device__ constexpr auto acc_as_a_operand(Layout acc) {
   static_assert(decltype(size<0>(acc))::value == 4);
-  static_assert(decltype(size<2>(acc))::value % 2 == 0);
-  auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // (4, MMA_M, (2, MMA_N / 2))
-  return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
+  static_assert(kMmaK == 8 || kMmaK == 16);
+  if constexpr (kMmaK == 8) {
+    return acc;
+  } else {
+    static_assert(decltype(size<2>(acc))::value % 2 == 0);
+    auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // (4, MMA_M, (2, MMA_N / 2))
+    return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
+  }
 }
 
 // Element-wise conversion of a register fragment into a new fragment of the same layout.

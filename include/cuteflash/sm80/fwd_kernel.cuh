@@ -172,8 +172,29 @@ struct PagedTiles {
     return pages;
   }
 
+  // 16 bytes from global memory src to shared memory dst, with cp.async where the traits have it (kCpAsync), else
+  // through a register; with ok, zeros where !ok.
+  template <typename Element>
+  __device__ static void copy_chunk(Element const* src, Element* dst) {
+    if constexpr (Traits::kCpAsync) {
+      SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>::copy(*reinterpret_cast<uint128_t const*>(src),
+                                                 *reinterpret_cast<uint128_t*>(dst));
+    } else {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<uint4 const*>(src);
+    }
+  }
+  template <typename Element>
+  __device__ static void copy_chunk(Element const* src, Element* dst, bool ok) {
+    if constexpr (Traits::kCpAsync) {
+      SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<uint128_t const*>(src),
+                                                       *reinterpret_cast<uint128_t*>(dst), ok);
+    } else {
+      *reinterpret_cast<uint4*>(dst) = ok ? *reinterpret_cast<uint4 const*>(src) : make_uint4(0, 0, 0, 0);
+    }
+  }
+
   // Keys [key0, key0 + kBlockN) of head head_k of operand t (k or v) into the shared tile s (kBlockN,
-  // kHeadDim) with cp.async; zeros past seq.seqlen_k and head_dim and on pages outside the cache.
+  // kHeadDim) with cp.async (kCpAsync); zeros past seq.seqlen_k and head_dim and on pages outside the cache.
   template <typename Element, typename SmemTile>
   __device__ static void copy(FwdParams const& p, Sequence const& seq, Operand const& t, int head_k, int key0,
                               Pages const& pages, SmemTile& s, int tid) {
@@ -209,9 +230,7 @@ struct PagedTiles {
         Element const* src = row_a + (m * int(t.row_stride) + col_of(m));  // below 2^24 (api.cpp)
         CUTE_UNROLL
         for (int k = 0; k < Traits::kHeadDim / kCols; ++k) {
-          SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>::copy(
-              *reinterpret_cast<uint128_t const*>(src + k * kCols),
-              *reinterpret_cast<uint128_t*>(smem + u0 + m * kRowStep + plain(0, k * kCols)));
+          copy_chunk(src + k * kCols, smem + u0 + m * kRowStep + plain(0, k * kCols));
         }
       });
       return;
@@ -228,10 +247,8 @@ struct PagedTiles {
                               : static_cast<Element const*>(t.ptr);
       CUTE_UNROLL
       for (int k = 0; k < Traits::kHeadDim / kCols; ++k) {
-        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(
-            *reinterpret_cast<uint128_t const*>(src + k * kCols),
-            *reinterpret_cast<uint128_t*>(smem + u0 + m * kRowStep + plain(0, k * kCols)),
-            ok && col0 + k * kCols < p.head_dim);
+        copy_chunk(src + k * kCols, smem + u0 + m * kRowStep + plain(0, k * kCols),
+                   ok && col0 + k * kCols < p.head_dim);
       }
     });
   }
@@ -372,10 +389,10 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N)
   clear(acc_o);
 
-  auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtomA{}, tiled_mma);
   auto smem_thr_q = smem_copy_q.get_thread_slice(tid);
   Tensor tSsQ = smem_thr_q.partition_S(sQ);
-  auto smem_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtomB{}, tiled_mma);
   auto smem_thr_k = smem_copy_k.get_thread_slice(tid);
   Tensor tSsK = smem_thr_k.partition_S(sK);
   auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
@@ -427,7 +444,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     if constexpr (has_dropout(V)) {  // after the row sums, which are of every probability
       apply_dropout_packed(rP, Dropout::make(p, seq.batch, head), tScS_rc, m_block * kBlockM, n_block * kBlockN);
     }
-    Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));  // (MMA, MMA_M, MMA_K over keys)
+    Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand<Traits::kMmaK>(rP.layout()));  // (MMA, MMA_M, MMA_K)
     gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_copy_v, smem_thr_v);
   };
   if constexpr (has_options(V)) {

@@ -46,8 +46,11 @@ struct FwdTraits {
   using SmemLayoutO = SmemLayoutQ;
 
   using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomA = SmemCopyAtom;  // the forward's Q, for S = Q K^T
+  using SmemCopyAtomB = SmemCopyAtom;  // its K
   using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
   using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+  static constexpr int kMmaK = 16;  // the MMA's K, for acc_as_a_operand
 
   // Global <-> shared: 16 bytes (8 elements) per thread per copy, a row of the smem atom per
   // kGmemThreadsPerRow threads, so each warp reads whole 128-byte (or 64-byte) row segments.
@@ -57,6 +60,7 @@ struct FwdTraits {
   using GmemThreadLayout =
       Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>;
   using GmemValLayout = Layout<Shape<_1, Int<kGmemElemsPerCopy>>>;
+  static constexpr bool kCpAsync = true;  // GmemTiledCopyQKV and the paged copies are cp.async
   using GmemTiledCopyQKV = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
                                                     GmemThreadLayout{}, GmemValLayout{}));
   using GmemTiledCopyO =
