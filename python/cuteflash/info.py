@@ -42,7 +42,8 @@ def describe() -> str:
 
 def check(families: list[str]) -> list[str]:
     """Why this install cannot serve its users, if it cannot: the compiled module does not load, a family in
-    `families` (default: any) has no forward and backward kernels, or a visible GPU fails a small attention call
+    `families` (default: any) lacks the kernels of a direction the family has (_families.py; a family still being
+    built may have no backward pass), or a visible GPU fails a small attention call
     against PyTorch's. Empty when all is well; for a wheel's test command."""
     from ._lib import build_info
 
@@ -54,8 +55,10 @@ def check(families: list[str]) -> list[str]:
     compiled = info["families"]
     for family in families or ([] if compiled else [" or ".join(_families.NAMES)]):
         entry = compiled.get(family)
-        if entry is None or not {"fwd", "bwd"} <= set(entry["directions"]):
-            problems.append(f"no {family} forward and backward kernels in this build")
+        wanted = set(_families.get(family).directions) if family in _families.NAMES else {"fwd", "bwd"}
+        if entry is None or not wanted <= set(entry["directions"]):
+            kinds = " and ".join({"fwd": "forward", "bwd": "backward"}[d] for d in sorted(wanted, reverse=True))
+            problems.append(f"no {family} {kinds} kernels in this build")
     try:
         import torch
     except ImportError:

@@ -27,6 +27,11 @@ __device__ __forceinline__ void gemm_ss(Acc& acc, RegA& tCrA, RegB& tCrB, SmemA 
                                         CopyB const& copy_b, ThrCopyB const& thr_copy_b) {
   Tensor tCrA_view = thr_copy_a.retile_D(tCrA);
   Tensor tCrB_view = thr_copy_b.retile_D(tCrB);
+  // One copy per k-slice of each operand: the copy atoms' K is the MMA's (traits' SmemCopyAtomA, SmemCopyAtomB).
+  CUTE_STATIC_ASSERT_V(size<1>(tCsA) == size<1>(tCrA_view) && size<2>(tCsA) == size<2>(tCrA_view));
+  CUTE_STATIC_ASSERT_V(size<1>(tCsB) == size<1>(tCrB_view) && size<2>(tCsB) == size<2>(tCrB_view));
+  CUTE_STATIC_ASSERT_V(size<2>(tCrA) == size<2>(tCrA_view) && size<2>(tCrB) == size<2>(tCrB_view));
+  CUTE_STATIC_ASSERT_V(size<1>(tCrA) == size<1>(acc) && size<1>(tCrB) == size<2>(acc));  // M and N
   copy(copy_a, tCsA(_, _, 0), tCrA_view(_, _, 0));
   copy(copy_b, tCsB(_, _, 0), tCrB_view(_, _, 0));
   CUTE_UNROLL
@@ -45,6 +50,9 @@ template <typename Acc, typename RegA, typename RegB, typename SmemB, typename T
 __device__ __forceinline__ void gemm_rs(Acc& acc, RegA const& tCrA, RegB& tCrB, SmemB const& tCsB,
                                         TiledMma const& tiled_mma, CopyB const& copy_b, ThrCopyB const& thr_copy_b) {
   Tensor tCrB_view = thr_copy_b.retile_D(tCrB);
+  CUTE_STATIC_ASSERT_V(size<1>(tCsB) == size<1>(tCrB_view) && size<2>(tCsB) == size<2>(tCrB_view));
+  CUTE_STATIC_ASSERT_V(size<2>(tCrA) == size<2>(tCrB) && size<2>(tCrB) == size<2>(tCrB_view));  // K
+  CUTE_STATIC_ASSERT_V(size<1>(tCrA) == size<1>(acc) && size<1>(tCrB) == size<2>(acc));         // M and N
   copy(copy_b, tCsB(_, _, 0), tCrB_view(_, _, 0));
   CUTE_UNROLL
   for (int i = 0; i < size<2>(tCrA); ++i) {
