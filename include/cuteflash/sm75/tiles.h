@@ -16,6 +16,15 @@ constexpr TileConfig sm75_fwd_tile(int head_dim) {
   return head_dim <= 64 ? TileConfig{128, 128, 8} : head_dim <= 128 ? TileConfig{128, 64, 8} : TileConfig{64, 32, 4};
 }
 
+// A T4 offers 64 KB of shared memory per block: every kernel head dim's tile fits it.
+constexpr bool sm75_fwd_tiles_fit(int smem_bytes) {
+  for (int head_dim : kHeadDims) {
+    if (sm75_fwd_tile(head_dim).smem_bytes_fwd(head_dim, 2) > smem_bytes) return false;
+  }
+  return true;
+}
+static_assert(sm75_fwd_tiles_fit(65536));
+
 }  // namespace cuteflash
 
 namespace cuteflash::sm75 {
