@@ -317,6 +317,54 @@ __device__ __forceinline__ void fwd_epilogue(FwdParams const& p, Sequence const&
   store_acc_tile<Traits, kBlockM>(acc_o, tiled_mma, smem.o.data(), gO, rows_left, p.head_dim, thread());
 }
 
+// The copies of fwd_block's K and V blocks into shared memory, with the thread's slice `thr` of gmem_copy. Every key
+// block but the last is full, so it loads without bounds checks when the head dim fills the tile (5 % faster on
+// H200). kPaged: k and v are a paged cache, read through the block table: the caller's `pages` are this thread's
+// pages of the block, looked up a block ahead while the products run. The copies take the thread's index read anew
+// (thread()), so that the offsets they derive from it are recomputed at each copy rather than held through the loop,
+// which spills them. Without cp.async (kCpAsync false) and unpaged (kThroughRegisters), the blocks come a step ahead
+// through registers: stage() stores the block fetched before to shared memory and fetches the next one in its place,
+// so that the loads' latency hides behind the products (a block is 16 registers a thread in the sm75 family's tiles
+// up to head dim 128, 20 to 32 above).
+template <typename Traits, bool kPaged, typename ThrCopy, typename Coord, typename Thread, typename Regs>
+struct KVLoads {
+  using Paged = PagedTiles<Traits>;
+  static constexpr bool kThroughRegisters = !Traits::kCpAsync && !kPaged;
+  FwdParams const& p;
+  Sequence const& seq;
+  BlockRange const& keys;
+  int head_k;
+  typename Traits::GmemTiledCopyQKV const& gmem_copy;
+  ThrCopy const& thr;
+  Coord const& tKVcKV;  // (CPY, CPY_N, CPY_K): the coordinates of the thread's chunks of a block
+  Thread const& thread;
+  Regs staged;  // kThroughRegisters: the block on its way to shared memory, (CPY, CPY_N, CPY_K)
+
+  // Block n_block of rows (of operand t) to tDst (sDst when kPaged), or to the registers `staged`.
+  template <typename Rows, typename SmemTile, typename Dst>
+  __device__ __forceinline__ void load(Rows const& rows, Operand const& t, SmemTile& sDst, Dst& tDst, int n_block,
+                                       typename Paged::Pages const& block_pages) {
+    using Element = typename Traits::Element;
+    Tensor tSrc = thr.partition_S(rows.block(n_block));  // (CPY, CPY_N, CPY_K)
+    if constexpr (kPaged) {
+      Paged::template copy<Element>(p, seq, t, head_k, n_block * Traits::kBlockN, block_pages, sDst, thread());
+    } else if (n_block < keys.end - 1 && p.head_dim == Traits::kHeadDim) {
+      copy(gmem_copy, tSrc, tDst);
+    } else {
+      copy_tile_bounded<true>(gmem_copy, tSrc, tDst, tKVcKV, seq.seqlen_k - n_block * Traits::kBlockN, p.head_dim);
+    }
+    cp_async_commit();
+  }
+
+  // kThroughRegisters: the fetched block to tDst, then block `next` of rows into the registers (none below keys.begin).
+  template <typename Dst, typename Rows>
+  __device__ __forceinline__ void stage(Dst& tDst, Rows const& rows, Operand const& t, int next) {
+    static_assert(kThroughRegisters);
+    copy(gmem_copy, staged, tDst);
+    if (next >= keys.begin) load(rows, t, tDst, staged, next, typename Paged::Pages{});
+  }
+};
+
 // Query block m_block of one (sequence, head); where the keys are split (splits_keys), split key_split(p) of them.
 template <typename Traits, Variant V, bool kPaged>
 __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& seq, int head, int m_block) {
@@ -363,30 +411,21 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
   Tensor tVsV = gmem_thr.partition_D(sV);
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // Every key block but the last is full, so it loads without bounds checks when the head dim fills
-  // the tile (5 % faster on H200). kPaged: k and v are a paged cache, read through the block table: `pages` are
-  // this thread's pages of the block being computed, `next_pages` those of the next one down, looked up while
-  // the block's products run. The copies take the thread's index read anew (thread()), so that the offsets they
-  // derive from it are recomputed at each copy rather than held through the loop, which spills them.
   using Paged = PagedTiles<Traits>;
   typename Paged::Pages pages, next_pages;
-  auto load_kv = [&](auto const& rows, Operand const& t, auto& sDst, auto& tDst, int n_block,
-                     typename Paged::Pages const& block_pages) {
-    Tensor tSrc = gmem_thr.partition_S(rows.block(n_block));  // (CPY, CPY_N, CPY_K)
-    if constexpr (kPaged) {
-      Paged::template copy<Element>(p, seq, t, head_k, n_block * kBlockN, block_pages, sDst, thread());
-    } else if (n_block < keys.end - 1 && p.head_dim == kHeadDim) {
-      copy(gmem_copy, tSrc, tDst);
-    } else {
-      copy_tile_bounded<true>(gmem_copy, tSrc, tDst, tKVcKV, seq.seqlen_k - n_block * kBlockN, p.head_dim);
-    }
-    cp_async_commit();
-  };
+  KVLoads<Traits, kPaged, decltype(gmem_thr), decltype(tKVcKV), decltype(thread), decltype(make_fragment_like(tKsK))>
+      kv{p, seq, keys, head_k, gmem_copy, gmem_thr, tKVcKV, thread};
+  constexpr bool kThroughRegisters = decltype(kv)::kThroughRegisters;
 
   int n_block = keys.end - 1;
   copy_tile_bounded<true>(gmem_copy, tQgQ, tQsQ, tQcQ, rows_left, p.head_dim);
   if constexpr (kPaged) pages = Paged::lookup(p, seq, n_block * kBlockN, tid);
-  load_kv(gK, p.k, sK, tKsK, n_block, pages);
+  if constexpr (kThroughRegisters) {
+    kv.load(gK, p.k, sK, kv.staged, n_block, pages);
+    kv.stage(tKsK, gV, p.v, n_block);  // K to sK; V of the same block fetched
+  } else {
+    kv.load(gK, p.k, sK, tKsK, n_block, pages);
+  }
 
   // ---- MMA operands and the shared-memory -> register copies that feed them.
   typename Traits::TiledMma tiled_mma;
@@ -421,7 +460,11 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
     clear(acc_s);
     cp_async_wait<0>();
     __syncthreads();  // K[n_block] is in sK, and no warp still reads sV
-    load_kv(gV, p.v, sV, tVsV, n_block, pages);
+    if constexpr (kThroughRegisters) {
+      kv.stage(tVsV, gK, p.k, n_block - 1);  // V[n_block] to sV; K[n_block - 1] fetched
+    } else {
+      kv.load(gV, p.v, sV, tVsV, n_block, pages);
+    }
     if constexpr (kPaged) {
       if (n_block > keys.begin) next_pages = Paged::lookup(p, seq, (n_block - 1) * kBlockN, tid);
     }
@@ -440,7 +483,13 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 
     cp_async_wait<0>();
     __syncthreads();  // V[n_block] is in sV, and no warp still reads sK
-    if (n_block > keys.begin) load_kv(gK, p.k, sK, tKsK, n_block - 1, next_pages);
+    if (n_block > keys.begin) {
+      if constexpr (kThroughRegisters) {
+        kv.stage(tKsK, gV, p.v, n_block - 1);  // K[n_block - 1] to sK; V[n_block - 1] fetched
+      } else {
+        kv.load(gK, p.k, sK, tKsK, n_block - 1, next_pages);
+      }
+    }
     if constexpr (kPaged) pages = next_pages;
 
     if constexpr (kSoftcapInSoftmax) {
