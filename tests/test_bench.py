@@ -273,3 +273,22 @@ def test_compare_gives_each_build_its_module_and_plans():
         assert _lib._C is new_module and interface._plans is new_plans
     finally:
         _lib._C, interface._plans = new_module, new_plans
+
+
+def test_compare_runs_only_what_the_build_compiled():
+    """A developer's build (CUTEFLASH_DTYPES, CUTEFLASH_HEADDIMS) holds a few kernels: the comparison times the
+    rows of those and names the others as skipped, instead of failing at the first call."""
+    import torch
+
+    from cuteflash.bench_compare import built_for
+
+    info = {"families": {"sm80": {"dtypes": ["fp16"], "head_dims": [64, 128]}, "sm70": {"dtypes": ["fp16"]}}}
+    info["families"]["sm70"]["head_dims"] = [256]
+    assert built_for("sm80", info) == ([torch.float16], {64, 128})
+    info["families"]["sm80"]["dtypes"] = ["bf16", "fp16"]
+    assert built_for("sm80", info) == ([torch.float16, torch.bfloat16], {64, 128})
+    assert built_for("sm70", {"families": {"sm70": {"dtypes": ["fp16", "bf16"], "head_dims": [256]}}}) == (
+        [torch.float16],
+        {256},
+    )  # bf16 is never the sm70 family's
+    assert built_for("sm75", info) == ([], set())  # not in this build

@@ -119,7 +119,23 @@ class Comparison:
         self.row(f"{name} bwd", calls)
 
 
-def run(c: Comparison, suites, dtypes) -> None:
+def built_for(family: str, info: dict) -> tuple[list, set]:
+    """The dtypes (torch's, of the family's) and the kernel head dims that this build (build_info()) compiled for
+    the family: a developer's build may hold a few (CUTEFLASH_DTYPES, CUTEFLASH_HEADDIMS)."""
+    import torch
+
+    from . import _lib
+
+    built = info["families"].get(family, {"dtypes": [], "head_dims": []})
+    dtypes = [
+        dt
+        for dt in (torch.float16, torch.bfloat16)
+        if _lib.dtype_supported(family, dt) and _lib._DTYPE_NAMES[dt] in built["dtypes"]
+    ]
+    return dtypes, set(built["head_dims"])
+
+
+def run(c: Comparison, suites, dtypes, head_dims) -> None:
     import torch
 
     from . import bench, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
@@ -127,15 +143,22 @@ def run(c: Comparison, suites, dtypes) -> None:
     def randn(*shape, dtype=torch.float16):
         return torch.randn(*shape, device="cuda", dtype=dtype)
 
+    def built(name: str, head_dim: int) -> bool:
+        if head_dim not in head_dims:
+            print(f"{name:46s} skipped: head dim {head_dim} is not in this build")
+        return head_dim in head_dims
+
     for dtype in dtypes:
         dt = str(dtype).removeprefix("torch.")
         if "baselines" in suites:
             for b, h, s, d in bench.SUITES["baselines"]:
+                if not built(f"{dt} {b}x{h}x{s}x{d}", d):
+                    continue
                 qkv = [randn(b, s, h, d, dtype=dtype) for _ in range(3)]
                 for causal in (False, True):
                     shape = f"{dt} {b}x{h}x{s}x{d}{' causal' if causal else ''}"
                     c.both_directions(shape, partial(flash_attn_func, causal=causal), qkv)
-        if "options" in suites:
+        if "options" in suites and built(f"{dt} options", bench.OPTIONS_SHAPE[3]):
             b, h, s, d = bench.OPTIONS_SHAPE
             qkv = [randn(b, s, h, d, dtype=dtype) for _ in range(3)]
             slopes = torch.tensor([2 ** (-8 * (i + 1) / h) for i in range(h)], device="cuda")
@@ -144,19 +167,22 @@ def run(c: Comparison, suites, dtypes) -> None:
                 c.both_directions(f"{dt} causal {name}", partial(flash_attn_func, causal=True, **options), qkv)
         if "varlen" in suites:
             tokens, shortest, longest, h, d = bench.VARLEN_MIXED
-            lengths = bench._varlen_lengths(tokens, shortest, longest)
-            cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
-            qkv = [randn(tokens, h, d, dtype=dtype) for _ in range(3)]
-            mixed = partial(flash_attn_varlen_func, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
-            c.both_directions(
-                f"{dt} varlen mixed", partial(mixed, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths)), qkv
-            )
+            if built(f"{dt} varlen mixed", d):
+                lengths = bench._varlen_lengths(tokens, shortest, longest)
+                cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+                qkv = [randn(tokens, h, d, dtype=dtype) for _ in range(3)]
+                mixed = partial(flash_attn_varlen_func, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+                c.both_directions(
+                    f"{dt} varlen mixed", partial(mixed, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths)), qkv
+                )
             for b, h, s, d in bench.VARLEN_EQUAL:
+                if not built(f"{dt} varlen {b}x{h}x{s}x{d}", d):
+                    continue
                 cu = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
                 qkv = [randn(b * s, h, d, dtype=dtype) for _ in range(3)]
                 equal = partial(flash_attn_varlen_func, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
                 c.both_directions(f"{dt} varlen {b}x{h}x{s}x{d}", partial(equal, max_seqlen_q=s, max_seqlen_k=s), qkv)
-        if "decode" in suites and dtype == torch.float16:
+        if "decode" in suites and dtype == torch.float16 and built("decode", bench.DECODE_HEAD_DIM):
             h, d = bench.DECODE_HEADS, bench.DECODE_HEAD_DIM
             for b, keys, queries in bench.DECODE_SHAPES:
                 q = randn(b, queries, h, d)
@@ -194,10 +220,10 @@ def main(argv=None) -> int:
     from . import _lib
 
     family = _lib.select_family(torch.device("cuda"))
-    dtypes = [dt for dt in (torch.float16, torch.bfloat16) if _lib.dtype_supported(family, dt)]
+    dtypes, head_dims = built_for(family, _lib.build_info())
     backend = os.environ.get(_lib.BACKEND_ENV, "auto")
     print(f"{torch.cuda.get_device_name()}, family {family} ({_lib.BACKEND_ENV}={backend})")
-    run(Comparison(load_module(args.old), args.rounds, args.ms), suites, dtypes)
+    run(Comparison(load_module(args.old), args.rounds, args.ms), suites, dtypes, head_dims)
     return 0
 
 
