@@ -277,18 +277,22 @@ def test_compare_gives_each_build_its_module_and_plans():
 
 def test_compare_runs_only_what_the_build_compiled():
     """A developer's build (CUTEFLASH_DTYPES, CUTEFLASH_HEADDIMS) holds a few kernels: the comparison times the
-    rows of those and names the others as skipped, instead of failing at the first call."""
+    rows of those (dtype, head dim) pairs of the family's forward kernels and names the others as skipped."""
     import torch
 
     from cuteflash.bench_compare import built_for
 
-    info = {"families": {"sm80": {"dtypes": ["fp16"], "head_dims": [64, 128]}, "sm70": {"dtypes": ["fp16"]}}}
-    info["families"]["sm70"]["head_dims"] = [256]
-    assert built_for("sm80", info) == ([torch.float16], {64, 128})
-    info["families"]["sm80"]["dtypes"] = ["bf16", "fp16"]
-    assert built_for("sm80", info) == ([torch.float16, torch.bfloat16], {64, 128})
-    assert built_for("sm70", {"families": {"sm70": {"dtypes": ["fp16", "bf16"], "head_dims": [256]}}}) == (
-        [torch.float16],
-        {256},
-    )  # bf16 is never the sm70 family's
-    assert built_for("sm75", info) == ([], set())  # not in this build
+    def kernel(family, direction, dtype, head_dim):  # as build_info() lists them
+        return {"family": family, "direction": direction, "dtype": dtype, "head_dim": head_dim}
+
+    info = {
+        "kernels": [
+            kernel("sm80", "fwd", "float16", 64),
+            kernel("sm80", "fwd", "bfloat16", 128),
+            kernel("sm80", "bwd", "float16", 256),
+            kernel("sm70", "fwd", "float16", 256),
+        ]
+    }
+    assert built_for("sm80", info) == {(torch.float16, 64), (torch.bfloat16, 128)}
+    assert built_for("sm70", info) == {(torch.float16, 256)}
+    assert built_for("sm75", info) == set()  # not in this build

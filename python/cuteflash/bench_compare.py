@@ -119,23 +119,21 @@ class Comparison:
         self.row(f"{name} bwd", calls)
 
 
-def built_for(family: str, info: dict) -> tuple[list, set]:
-    """The dtypes (torch's, of the family's) and the kernel head dims that this build (build_info()) compiled for
-    the family: a developer's build may hold a few (CUTEFLASH_DTYPES, CUTEFLASH_HEADDIMS)."""
+def built_for(family: str, info: dict) -> set:
+    """The (dtype, kernel head dim) pairs of the family's forward kernels in this build (build_info()), dtypes as
+    torch's: a developer's build may hold a few (CUTEFLASH_DTYPES, CUTEFLASH_HEADDIMS)."""
     import torch
 
-    from . import _lib
-
-    built = info["families"].get(family, {"dtypes": [], "head_dims": []})
-    dtypes = [
-        dt
-        for dt in (torch.float16, torch.bfloat16)
-        if _lib.dtype_supported(family, dt) and _lib._DTYPE_NAMES[dt] in built["dtypes"]
-    ]
-    return dtypes, set(built["head_dims"])
+    names = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+    return {
+        (names[k["dtype"]], k["head_dim"])
+        for k in info["kernels"]
+        if k["family"] == family and k["direction"] == "fwd" and k["dtype"] in names
+    }
 
 
-def run(c: Comparison, suites, dtypes, head_dims) -> None:
+def run(c: Comparison, suites, pairs) -> int:
+    """Times the suites' rows whose (dtype, head dim) this build holds (pairs, built_for); the number timed."""
     import torch
 
     from . import bench, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
@@ -143,22 +141,28 @@ def run(c: Comparison, suites, dtypes, head_dims) -> None:
     def randn(*shape, dtype=torch.float16):
         return torch.randn(*shape, device="cuda", dtype=dtype)
 
-    def built(name: str, head_dim: int) -> bool:
-        if head_dim not in head_dims:
-            print(f"{name:46s} skipped: head dim {head_dim} is not in this build")
-        return head_dim in head_dims
+    timed = 0
 
+    def built(name: str, dtype, head_dim: int) -> bool:
+        nonlocal timed
+        if (dtype, head_dim) not in pairs:
+            print(f"{name:46s} skipped: this build has no {dtype} kernel for head dim {head_dim}")
+            return False
+        timed += 1
+        return True
+
+    dtypes = sorted({dt for dt, _ in pairs}, key=str, reverse=True)  # float16 first
     for dtype in dtypes:
         dt = str(dtype).removeprefix("torch.")
         if "baselines" in suites:
             for b, h, s, d in bench.SUITES["baselines"]:
-                if not built(f"{dt} {b}x{h}x{s}x{d}", d):
+                if not built(f"{dt} {b}x{h}x{s}x{d}", dtype, d):
                     continue
                 qkv = [randn(b, s, h, d, dtype=dtype) for _ in range(3)]
                 for causal in (False, True):
                     shape = f"{dt} {b}x{h}x{s}x{d}{' causal' if causal else ''}"
                     c.both_directions(shape, partial(flash_attn_func, causal=causal), qkv)
-        if "options" in suites and built(f"{dt} options", bench.OPTIONS_SHAPE[3]):
+        if "options" in suites and built(f"{dt} options", dtype, bench.OPTIONS_SHAPE[3]):
             b, h, s, d = bench.OPTIONS_SHAPE
             qkv = [randn(b, s, h, d, dtype=dtype) for _ in range(3)]
             slopes = torch.tensor([2 ** (-8 * (i + 1) / h) for i in range(h)], device="cuda")
@@ -167,7 +171,7 @@ def run(c: Comparison, suites, dtypes, head_dims) -> None:
                 c.both_directions(f"{dt} causal {name}", partial(flash_attn_func, causal=True, **options), qkv)
         if "varlen" in suites:
             tokens, shortest, longest, h, d = bench.VARLEN_MIXED
-            if built(f"{dt} varlen mixed", d):
+            if built(f"{dt} varlen mixed", dtype, d):
                 lengths = bench._varlen_lengths(tokens, shortest, longest)
                 cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
                 qkv = [randn(tokens, h, d, dtype=dtype) for _ in range(3)]
@@ -176,13 +180,13 @@ def run(c: Comparison, suites, dtypes, head_dims) -> None:
                     f"{dt} varlen mixed", partial(mixed, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths)), qkv
                 )
             for b, h, s, d in bench.VARLEN_EQUAL:
-                if not built(f"{dt} varlen {b}x{h}x{s}x{d}", d):
+                if not built(f"{dt} varlen {b}x{h}x{s}x{d}", dtype, d):
                     continue
                 cu = torch.arange(0, (b + 1) * s, s, device="cuda", dtype=torch.int32)
                 qkv = [randn(b * s, h, d, dtype=dtype) for _ in range(3)]
                 equal = partial(flash_attn_varlen_func, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
                 c.both_directions(f"{dt} varlen {b}x{h}x{s}x{d}", partial(equal, max_seqlen_q=s, max_seqlen_k=s), qkv)
-        if "decode" in suites and dtype == torch.float16 and built("decode", bench.DECODE_HEAD_DIM):
+        if "decode" in suites and dtype == torch.float16 and built("decode", dtype, bench.DECODE_HEAD_DIM):
             h, d = bench.DECODE_HEADS, bench.DECODE_HEAD_DIM
             for b, keys, queries in bench.DECODE_SHAPES:
                 q = randn(b, queries, h, d)
@@ -200,6 +204,7 @@ def run(c: Comparison, suites, dtypes, head_dims) -> None:
                         call = partial(flash_attn_with_kvcache, q, kc, vc, cache_seqlens=seqlens, block_table=table)
                         c.row(f"decode {b}x{queries}x{keys}{tag}", call)
                 del caches
+    return timed
 
 
 def main(argv=None) -> int:
@@ -220,10 +225,12 @@ def main(argv=None) -> int:
     from . import _lib
 
     family = _lib.select_family(torch.device("cuda"))
-    dtypes, head_dims = built_for(family, _lib.build_info())
+    pairs = built_for(family, _lib.build_info())
     backend = os.environ.get(_lib.BACKEND_ENV, "auto")
     print(f"{torch.cuda.get_device_name()}, family {family} ({_lib.BACKEND_ENV}={backend})")
-    run(Comparison(load_module(args.old), args.rounds, args.ms), suites, dtypes, head_dims)
+    if not run(Comparison(load_module(args.old), args.rounds, args.ms), suites, pairs):
+        print(f"nothing timed: this build has no {family} forward kernel that the rows need")
+        return 1
     return 0
 
 

@@ -324,8 +324,8 @@ __device__ __forceinline__ void fwd_epilogue(FwdParams const& p, Sequence const&
 // (thread()), so that the offsets they derive from it are recomputed at each copy rather than held through the loop,
 // which spills them. Without cp.async (kCpAsync false) and unpaged (kThroughRegisters), the blocks come a step ahead
 // through registers: stage() stores the block fetched before to shared memory and fetches the next one in its place,
-// so that the loads' latency hides behind the products (a block is 16 registers a thread in the sm75 family's tiles
-// up to head dim 128, 20 to 32 above).
+// so that the loads' latency hides behind the products (a block is 8 to 16 registers a thread in the sm75 family's
+// tiles up to head dim 128, 20 to 32 above).
 template <typename Traits, bool kPaged, typename ThrCopy, typename Coord, typename Thread, typename Regs>
 struct KVLoads {
   using Paged = PagedTiles<Traits>;
