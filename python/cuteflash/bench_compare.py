@@ -124,16 +124,16 @@ def built_for(family: str, info: dict) -> set:
     torch's: a developer's build may hold a few (CUTEFLASH_DTYPES, CUTEFLASH_HEADDIMS)."""
     import torch
 
-    names = {"float16": torch.float16, "bfloat16": torch.bfloat16}
     return {
-        (names[k["dtype"]], k["head_dim"])
+        (getattr(torch, k["dtype"]), k["head_dim"])  # build_info's names are torch's: float16, bfloat16
         for k in info["kernels"]
-        if k["family"] == family and k["direction"] == "fwd" and k["dtype"] in names
+        if k["family"] == family and k["direction"] == "fwd"
     }
 
 
 def run(c: Comparison, suites, pairs) -> int:
-    """Times the suites' rows whose (dtype, head dim) this build holds (pairs, built_for); the number timed."""
+    """Times the suites' rows whose (dtype, head dim) this build holds (pairs, built_for); returns how many groups
+    of rows (a shape's, a suite's) it timed."""
     import torch
 
     from . import bench, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
