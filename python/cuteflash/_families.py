@@ -84,12 +84,12 @@ FAMILIES: tuple[Family, ...] = (
         cc_min=75,
         cc_max=79,
         dtypes=("fp16",),
-        directions=("fwd",),  # (the backward and the release come next)
+        directions=("fwd", "bwd"),
         cuda_min=(11, 8),
         cuda_max=None,
         fp16_correction=False,
-        build_seconds={"fwd": 125, "decode": 4},  # (the sm80 family's: the same forward kernel)
-        summary="Turing: ldmatrix and mma.m16n8k8 (the sm80 family's forward with Turing's atoms)",
+        build_seconds={"fwd": 125, "bwd": 250, "decode": 4},  # (the sm80 family's: the same kernels)
+        summary="Turing: ldmatrix and mma.m16n8k8 (the sm80 family's kernels with Turing's atoms)",
         released=False,
     ),
 )

@@ -5,6 +5,7 @@
 #include "cuteflash/common/tiles.h"
 #include "cuteflash/decode/config.h"
 #include "cuteflash/sm70/tiles.h"
+#include "cuteflash/sm80/tiles.h"
 
 namespace cuteflash {
 
@@ -25,6 +26,26 @@ constexpr bool sm75_fwd_tiles_fit(int smem_bytes) {
 }
 static_assert(sm75_fwd_tiles_fit(65536));
 
+// sm75 backward (the sm80 family's kernel, 8 warps; BwdTile in sm80/tiles.h), within a T4's 64 KB: a thread block
+// holds dK and dV of its 64 keys in registers (32 each at head dim 64, 64 at 128). Up to head dim 64, 64 query rows
+// a step with Q double-buffered (56 KB); at 96 Q single (64 KB); at 128, 32 rows with Q double (64 KB; 64 rows would
+// need 80). Above, no 8-warp tile fits: dS's 16-column warp tiles need 128 keys of S at 16 rows, and 32 x 32 needs
+// 68 KB; those head dims run the sm70 family's backward (bwd_launch.cuh).
+constexpr int kSm75BwdMaxHeadDim = 128;
+constexpr BwdTile sm75_bwd_tile(int head_dim) {
+  return head_dim <= 64   ? BwdTile{64, 64, 2, 4, 4, 2}
+         : head_dim <= 96 ? BwdTile{64, 64, 2, 4, 4, 1}
+                          : BwdTile{32, 64, 2, 4, 2, 2};
+}
+
+constexpr bool sm75_bwd_tiles_fit(int smem_bytes) {
+  for (int head_dim : kHeadDims) {
+    if (head_dim <= kSm75BwdMaxHeadDim && sm75_bwd_tile(head_dim).smem_bytes(head_dim, 2) > smem_bytes) return false;
+  }
+  return true;
+}
+static_assert(sm75_bwd_tiles_fit(65536));
+
 }  // namespace cuteflash
 
 namespace cuteflash::sm75 {
@@ -33,7 +54,8 @@ namespace cuteflash::sm75 {
 struct FamilyTraits {
   // The decoding kernel is the sm70 family's (decode_launch.cuh): keys read into registers, WMMA for several rows.
   static constexpr DecodeConfig kDecode = sm70::FamilyTraits::kDecode;
-  // (No backward yet: the registry lists the forward only.)
+  // D = rowsum(dO * O) needs its own buffer: above head dim 128 the backward is the sm70 family's (see kRowsumInDq
+  // there).
   static constexpr bool kRowsumInDq = false;
   // The forward tile by which the tiled kernels' key splits are planned (api.cpp's tiled_split_count).
   static constexpr TileConfig split_tile(int head_dim) { return sm75_fwd_tile(head_dim); }

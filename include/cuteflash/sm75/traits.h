@@ -1,6 +1,6 @@
-// Compile-time configuration of one sm75 forward kernel: the sm80 family's tiles, shared-memory layouts and
-// epilogue copies with Turing's instructions: mma.sync.m16n8k8 (fp16, fp32 accumulation) fed by ldmatrix, and
-// global-to-shared copies through registers (Turing has no cp.async).
+// Compile-time configuration of one sm75 kernel: the sm80 family's tiles, shared-memory layouts and epilogue copies
+// with Turing's instructions: mma.sync.m16n8k8 (fp16, fp32 accumulation) fed by ldmatrix, and global-to-shared
+// copies through registers (Turing has no cp.async).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -39,5 +39,27 @@ struct FwdTraitsSelect {
   static constexpr TileConfig kTile = sm75_fwd_tile(kHeadDim);
   using type = FwdTraits<kHeadDim, kTile.block_m, kTile.block_n, kTile.n_warps>;
 };
+
+// The backward's products with m16n8k8: a warp's k-slice of each operand is 16 rows (or columns) by 8, one ldmatrix.x2
+// (.trans for the transposed ones).
+struct BwdInstructions {
+  using MmaAtom = MMA_Atom<SM75_16x8x8_F32F16F16F32_TN>;
+  static constexpr int kMmaK = 8;
+  using SmemCopyAtom = Copy_Atom<SM75_U32x2_LDSM_N, half_t>;
+  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x4_LDSM_T, half_t>;
+  using GmemCopyAtom = Copy_Atom<UniversalCopy<uint128_t>, half_t>;
+  static constexpr bool kCpAsync = false;  // the query blocks come a step ahead through registers (bwd_kernel.cuh)
+};
+
+template <int kHeadDim>
+struct BwdTraitsSelect {
+  static constexpr BwdTile kTile = sm75_bwd_tile(kHeadDim);
+  using type = sm80::BwdTraits<half_t, kHeadDim, kTile.block_m, kTile.block_n, kTile.atom_m_sdp, kTile.atom_n_dkv,
+                               kTile.atom_m_dq, kTile.q_stages, BwdInstructions>;
+};
+
+// The deterministic backward's dQ kernel: the forward's shape (sm80/bwd_kernel.cuh's DqTraits), Turing's instructions.
+template <int kHeadDim>
+using DqTraits = FwdTraits<kHeadDim, 64, 64, 4>;
 
 }  // namespace cuteflash::sm75

@@ -119,27 +119,63 @@ __device__ __forceinline__ void gemm_smem(Acc& acc, TiledMma const& tiled_mma, S
   }
 }
 
+// Without cp.async (kCpAsync false), query_loader's loads through registers: fetch(m_block) reads the block into
+// registers, issued a step ahead so that its latency hides behind the products, and the call stores them to the tile
+// (m_block: the block fetched; offset as query_loader's).
+template <typename Traits, typename Rows, typename ThrCopy, typename Dst, typename Coord>
+struct StagedQueryLoader {
+  BwdParams const& p;
+  Sequence const& seq;
+  Rows rows;
+  typename Traits::GmemTiledCopy gmem_copy;
+  ThrCopy gmem_thr;
+  Dst dst;      // (CPY, CPY_M, CPY_K)
+  Coord coord;  // the (row, col) in the block of each chunk of dst
+  decltype(make_fragment_like(dst)) staged;
+
+  __device__ __forceinline__ void fetch(int m_block) {
+    Tensor src = gmem_thr.partition_S(rows.block(m_block));  // (CPY, CPY_M, CPY_K)
+    if (p.head_dim == Traits::kHeadDim && (m_block + 1) * Traits::kBlockM <= seq.seqlen_q) {
+      copy(gmem_copy, src, staged);
+    } else {
+      copy_tile_bounded<true>(gmem_copy, src, staged, coord, seq.seqlen_q - m_block * Traits::kBlockM, p.head_dim);
+    }
+  }
+
+  __device__ __forceinline__ void operator()(int /*m_block*/, int offset = 0) {
+    copy(gmem_copy, staged, make_tensor(dst.data() + offset, dst.layout()));
+  }
+};
+
 // A loader of query block m_block of rows (a head's query rows: gQ, gdO) into the shared tile s (kBlockM, kHeadDim)
 // with cp.async, zeros past seqlen_q and head_dim. Its offset (elements) moves the destination: a stage of a
 // multi-buffered tile. A whole query block without a head-dim remainder loads without bounds checks (whose
-// zero-filling stores nvcc would otherwise issue, predicated off, in every step).
+// zero-filling stores nvcc would otherwise issue, predicated off, in every step). Without cp.async, a
+// StagedQueryLoader, whose fetch() the caller issues first.
 template <typename Traits, typename Rows, typename SmemTile>
 __device__ __forceinline__ auto query_loader(BwdParams const& p, Sequence const& seq, Rows const& rows,
                                              SmemTile const& s, int tid) {
   typename Traits::GmemTiledCopy gmem_copy;
   auto gmem_thr = gmem_copy.get_thread_slice(tid);
-  return [&p, &seq, rows, gmem_copy, gmem_thr, full_head_dim = p.head_dim == Traits::kHeadDim,
-          dst = gmem_thr.partition_D(s),
-          coord = gmem_thr.partition_S(make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}))](
-             int m_block, int offset = 0) {
-    Tensor src = gmem_thr.partition_S(rows.block(m_block));  // (CPY, CPY_M, CPY_K)
-    Tensor at = make_tensor(dst.data() + offset, dst.layout());
-    if (full_head_dim && (m_block + 1) * Traits::kBlockM <= seq.seqlen_q) {
-      copy(gmem_copy, src, at);
-    } else {
-      copy_tile_bounded<true>(gmem_copy, src, at, coord, seq.seqlen_q - m_block * Traits::kBlockM, p.head_dim);
-    }
-  };
+  if constexpr (!Traits::kCpAsync) {
+    Tensor dst = gmem_thr.partition_D(s);
+    Tensor coord = gmem_thr.partition_S(make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}));
+    return StagedQueryLoader<Traits, Rows, decltype(gmem_thr), decltype(dst), decltype(coord)>{
+        p, seq, rows, gmem_copy, gmem_thr, dst, coord};
+  } else {
+    return [&p, &seq, rows, gmem_copy, gmem_thr, full_head_dim = p.head_dim == Traits::kHeadDim,
+            dst = gmem_thr.partition_D(s),
+            coord = gmem_thr.partition_S(make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}))](
+               int m_block, int offset = 0) {
+      Tensor src = gmem_thr.partition_S(rows.block(m_block));  // (CPY, CPY_M, CPY_K)
+      Tensor at = make_tensor(dst.data() + offset, dst.layout());
+      if (full_head_dim && (m_block + 1) * Traits::kBlockM <= seq.seqlen_q) {
+        copy(gmem_copy, src, at);
+      } else {
+        copy_tile_bounded<true>(gmem_copy, src, at, coord, seq.seqlen_q - m_block * Traits::kBlockM, p.head_dim);
+      }
+    };
+  }
 }
 
 // P to its shared tile (copy_pds's partition tPsP) from the accumulators acc_s: with dropout, the kept probabilities
@@ -251,6 +287,10 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
   auto load_q = query_loader<Traits>(p, seq, gQ, sQ, tid);  // (m_block, stage * kQSize)
   auto load_do = query_loader<Traits>(p, seq, gdO, sdO, tid);
   if (!queries.empty()) {
+    if constexpr (!Traits::kCpAsync) {
+      load_q.fetch(queries.begin);
+      load_do.fetch(queries.begin);
+    }
     load_q(queries.begin, 0);
     load_do(queries.begin);
   }
@@ -281,6 +321,13 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
     const bool has_next = m_block + 1 < queries.end;
     cp_async_wait<0>();
     __syncthreads();  // Q and dO of this block (and K, V) are in shared memory
+    // Without cp.async, the next block into registers, stored below where this one's buffers are free.
+    if constexpr (!Traits::kCpAsync) {
+      if (has_next) {
+        load_q.fetch(m_block + 1);
+        load_do.fetch(m_block + 1);
+      }
+    }
 
     float lse_log2[kRows], d[kRows];  // loaded first: the products hide the global loads' latency
     load_row_stats(p, row_stats, seq.seqlen_q, m_block * kBlockM, tScS_rc, lse_log2, d);
@@ -439,9 +486,9 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
   Tensor tdPrdO = thr_mma.partition_fragment_A(sdO);
   Tensor tdPrV = thr_mma.partition_fragment_B(sV);
   Tensor tdQrKt = thr_mma.partition_fragment_B(sKt);  // (MMA, MMA_D, MMA_K over keys)
-  auto copy_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto copy_a = make_tiled_copy_A(typename Traits::SmemCopyAtomA{}, tiled_mma);
   auto thr_a = copy_a.get_thread_slice(tid);
-  auto copy_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto copy_b = make_tiled_copy_B(typename Traits::SmemCopyAtomB{}, tiled_mma);
   auto thr_b = copy_b.get_thread_slice(tid);
   auto copy_bt = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
   auto thr_bt = copy_bt.get_thread_slice(tid);
@@ -487,7 +534,7 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
     probs_to_grads(s, dp, d_row, grad_scale<V>(p));
     if constexpr (has_softcap(V)) apply_softcap_grad(dp, dtanh);
     Tensor rdS = convert_fragment<Element>(acc_dp);
-    Tensor tdQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));  // (MMA, MMA_M, MMA_K over keys)
+    Tensor tdQrdS = make_tensor(rdS.data(), acc_as_a_operand<Traits::kMmaK>(rdS.layout()));  // (MMA, M, K: keys)
     gemm_rs(acc_dq, tdQrdS, tdQrKt, tdQsKt, tiled_mma, copy_bt, thr_bt);
   };
   // Two copies of the step: with a third (no ALiBi), the head-dim-256 kernel with dropout spilled 700 bytes.

@@ -12,6 +12,11 @@ namespace cuteflash::sm80 {
 
 using namespace cute;
 
+// mma.sync.m16n8k16 with fp32 accumulation.
+template <typename Element>
+using MmaAtomOf = std::conditional_t<std::is_same_v<Element, half_t>, MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
+                                     MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
+
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
 struct FwdTraits {
   using Element = Element_;
@@ -26,8 +31,7 @@ struct FwdTraits {
   // mma.sync.m16n8k16, fp32 accumulation. Warps are stacked along M (each owns kBlockM / kNWarps query
   // rows, so the row statistics of the softmax never leave a warp); the 16-wide N tile lets one
   // ldmatrix.x4 feed two n8 MMAs.
-  using MmaAtom = std::conditional_t<std::is_same_v<Element, half_t>, MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
-                                     MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
+  using MmaAtom = MmaAtomOf<Element>;
   using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
   static_assert(kBlockM % (16 * kNWarps) == 0);
   static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0);
@@ -89,8 +93,21 @@ struct FwdTraitsSelect {
   using type = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.n_warps>;
 };
 
+// The instructions the backward's tiles are made of: its MMA (kMmaK deep), the ldmatrix copies that feed it (normal and
+// transposed, one k-slice of a warp's operand each) and the global-to-shared copy (kCpAsync: asynchronous). A family
+// with other instructions passes its own (sm75/traits.h).
+template <typename Element>
+struct BwdInstructions {
+  using MmaAtom = MmaAtomOf<Element>;
+  static constexpr int kMmaK = 16;
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using GmemCopyAtom = Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>;
+  static constexpr bool kCpAsync = true;
+};
+
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kAtomMSdP, int kAtomNdKV, int kAtomMdQ,
-          int kQStages_>
+          int kQStages_, typename Instructions = BwdInstructions<Element_>>
 struct BwdTraits {
   using Element = Element_;
   static_assert(std::is_same_v<Element, half_t> || std::is_same_v<Element, bfloat16_t>);
@@ -104,18 +121,19 @@ struct BwdTraits {
   static constexpr int kNThreads = kNWarps * 32;
 
   // Each product's warps: kAtom* of them along its first mode, the rest along the second; the 16-wide
-  // tile in that second mode lets one ldmatrix.x4 feed two n8 MMAs. No row statistics are needed (P
+  // tile in that second mode lets one ldmatrix.x4 feed two n8 MMAs (m16n8k16). No row statistics are needed (P
   // comes from the saved log-sum-exp), so the warps may split the keys of S and dP.
-  using MmaAtom = typename FwdTraits<Element, kHeadDim, 128, kBlockN, 8>::MmaAtom;
+  using MmaAtom = typename Instructions::MmaAtom;
+  using MmaK = Int<Instructions::kMmaK>;
   template <int kAtomM>
   using WarpTiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kAtomM>, Int<kNWarps / kAtomM>, _1>>,
-                                Tile<Int<16 * kAtomM>, Int<16 * kNWarps / kAtomM>, _16>>;
+                                Tile<Int<16 * kAtomM>, Int<16 * kNWarps / kAtomM>, MmaK>>;
   // S = Q K^T, dP = dO V^T: (kBlockM, kBlockN). Each warp's two n8 tiles in the 16-wide tile are 16 adjacent
   // columns, as dropout's units need (dropout.cuh, for_each_kept).
   static constexpr int kWarpsNSdP = kNWarps / kAtomMSdP;
   using TiledMmaSdP =
       TiledMMA<MmaAtom, Layout<Shape<Int<kAtomMSdP>, Int<kWarpsNSdP>, _1>>,
-               Tile<Int<16 * kAtomMSdP>, Layout<Shape<_8, Int<kWarpsNSdP>, _2>, Stride<_1, _16, _8>>, _16>>;
+               Tile<Int<16 * kAtomMSdP>, Layout<Shape<_8, Int<kWarpsNSdP>, _2>, Stride<_1, _16, _8>>, MmaK>>;
   using TiledMmadKV = WarpTiledMma<kAtomNdKV>;  // dV += P^T dO, dK += dS^T Q: (kBlockN, kHeadDim)
   using TiledMmadQ = WarpTiledMma<kAtomMdQ>;    // dQ = dS K: (kBlockM, kHeadDim)
   static_assert(kBlockM % (16 * kAtomMSdP) == 0 && kBlockN % (16 * kNWarps / kAtomMSdP) == 0);
@@ -137,15 +155,16 @@ struct BwdTraits {
   using SmemLayoutPdSt =
       decltype(composition(SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, GenRowMajor{})));
 
-  using SmemCopyAtom = typename Fwd::SmemCopyAtom;
-  using SmemCopyAtomTransposed = typename Fwd::SmemCopyAtomTransposed;
+  using SmemCopyAtom = typename Instructions::SmemCopyAtom;
+  using SmemCopyAtomTransposed = typename Instructions::SmemCopyAtomTransposed;
   using SmemCopyAtomPdS = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
 
   static constexpr int kGmemThreadsPerRow = Fwd::kGmemThreadsPerRow;
   using GmemThreadLayout =
       Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>;
-  using GmemTiledCopy = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<uint128_t>, Element>{},
-                                                 GmemThreadLayout{}, typename Fwd::GmemValLayout{}));
+  static constexpr bool kCpAsync = Instructions::kCpAsync;  // GmemTiledCopy is cp.async
+  using GmemTiledCopy = decltype(make_tiled_copy(typename Instructions::GmemCopyAtom{}, GmemThreadLayout{},
+                                                 typename Fwd::GmemValLayout{}));
   static_assert(kBlockM % (kNThreads / kGmemThreadsPerRow) == 0);
 
   struct SharedStorage {
