@@ -14,43 +14,41 @@ def targets(sel, family):
 
 
 @pytest.mark.parametrize(
-    "arch_list,sm70,sm80",
+    "arch_list,sm70,sm75,sm80",
     [
-        ("8.0;9.0", [], ["8.0", "9.0"]),
-        ("7.0 7.5", ["7.0", "7.5"], []),
-        ("7.0;7.5 8.0", ["7.0", "7.5"], ["8.0"]),
-        (";;8.6;; ;", [], ["8.6"]),
-        ("8.0+PTX", [], ["8.0+PTX"]),
-        ("9.0a", [], ["9.0a"]),
-        ("9.0a;9.0+PTX", [], ["9.0+PTX", "9.0a"]),
-        ("8.0;8.0+PTX", [], ["8.0+PTX"]),
-        ("7.2", ["7.2"], []),
-        ("10.0;12.0", [], ["10.0", "12.0"]),
+        ("8.0;9.0", [], [], ["8.0", "9.0"]),
+        ("7.0 7.5", ["7.0"], ["7.5"], []),
+        ("7.0;7.5 8.0", ["7.0"], ["7.5"], ["8.0"]),
+        (";;8.6;; ;", [], [], ["8.6"]),
+        ("8.0+PTX", [], [], ["8.0+PTX"]),
+        ("9.0a", [], [], ["9.0a"]),
+        ("9.0a;9.0+PTX", [], [], ["9.0+PTX", "9.0a"]),
+        ("8.0;8.0+PTX", [], [], ["8.0+PTX"]),
+        ("7.2", ["7.2"], [], []),
+        ("10.0;12.0", [], [], ["10.0", "12.0"]),
     ],
 )
-def test_good_lists(arch_list, sm70, sm80):
+def test_good_lists(arch_list, sm70, sm75, sm80):
     sel = parse(arch_list, cuda=(12, 9))
-    assert targets(sel, "sm70") == sm70
-    assert targets(sel, "sm80") == sm80
+    assert (targets(sel, "sm70"), targets(sel, "sm75"), targets(sel, "sm80")) == (sm70, sm75, sm80)
 
 
 @pytest.mark.parametrize(
-    "name,sm70,sm80",
+    "name,sm70,sm75,sm80",
     [
-        ("Volta", ["7.0+PTX"], []),
-        ("Turing", ["7.5+PTX"], []),
-        ("Ampere", [], ["8.0", "8.6+PTX"]),
-        ("Ada", [], ["8.9+PTX"]),
-        ("Hopper", [], ["9.0+PTX"]),
-        ("Volta+Tegra", ["7.2"], []),
-        ("Ampere+Tegra", [], ["8.7"]),
-        ("Volta;Hopper", ["7.0+PTX"], ["9.0+PTX"]),
+        ("Volta", ["7.0+PTX"], [], []),
+        ("Turing", [], ["7.5+PTX"], []),
+        ("Ampere", [], [], ["8.0", "8.6+PTX"]),
+        ("Ada", [], [], ["8.9+PTX"]),
+        ("Hopper", [], [], ["9.0+PTX"]),
+        ("Volta+Tegra", ["7.2"], [], []),
+        ("Ampere+Tegra", [], [], ["8.7"]),
+        ("Volta;Hopper", ["7.0+PTX"], [], ["9.0+PTX"]),
     ],
 )
-def test_named_arches_expand_as_pytorch(name, sm70, sm80):
+def test_named_arches_expand_as_pytorch(name, sm70, sm75, sm80):
     sel = parse(name, cuda=(12, 9))
-    assert targets(sel, "sm70") == sm70
-    assert targets(sel, "sm80") == sm80
+    assert (targets(sel, "sm70"), targets(sel, "sm75"), targets(sel, "sm80")) == (sm70, sm75, sm80)
 
 
 @pytest.mark.parametrize(
@@ -79,7 +77,7 @@ def test_volta_needs_cuda_12_9_or_older():
         parse("7.0", cuda=(13, 0))
     with pytest.raises(ArchError, match="needs CUDA 11.8–12.9"):
         parse("Volta", cuda=(13, 0))
-    assert targets(parse("7.5", cuda=(13, 0)), "sm70") == ["7.5"]  # Turing stays in CUDA 13
+    assert targets(parse("7.5", cuda=(13, 0)), "sm75") == ["7.5"]  # Turing stays in CUDA 13
     assert targets(parse("7.0", cuda=(11, 8)), "sm70") == ["7.0"]
 
 
@@ -92,7 +90,7 @@ def test_toolkit_too_old_for_target():
 
 def test_extra_targets_go_to_the_named_family():
     sel = parse("7.5", cuda=(13, 0), extra={"sm70": "9.0"})
-    assert targets(sel, "sm70") == ["7.5", "9.0"]
+    assert targets(sel, "sm70") == ["9.0"] and targets(sel, "sm75") == ["7.5"]
     assert targets(sel, "sm80") == []
     with pytest.raises(ArchError, match="unknown kernel family"):
         parse("8.0", extra={"sm60": "9.0"})
@@ -104,9 +102,10 @@ def test_cmake_architecture_items():
 
 
 @pytest.mark.parametrize("cuda", [(11, 8), (12, 9), (13, 0)])
-def test_default_list_covers_both_families_the_toolkit_builds(cuda):
+def test_default_list_covers_every_family_the_toolkit_builds(cuda):
     sel = parse(_arch.default_arch_list(cuda), cuda=cuda)
-    assert sel.targets["sm70"] and sel.targets["sm80"]
+    assert sel.targets["sm75"] and sel.targets["sm80"]
+    assert bool(sel.targets["sm70"]) == (cuda < (13, 0))  # CUDA 13 dropped Volta
 
 
 def run_cmake_mode(*args):
@@ -118,8 +117,8 @@ def run_cmake_mode(*args):
 
 def test_cmake_mode_prints_set_commands():
     out = run_cmake_mode("7.5;8.0;9.0+PTX", "--cuda-version", "13.0", "--extra", "sm70=9.0", "--extra", "sm80=")
-    assert 'set(CUTEFLASH_FAMILIES "sm70;sm80")' in out
-    assert 'set(CUTEFLASH_SM70_ARCHS "75-real;90-real")' in out
+    assert 'set(CUTEFLASH_FAMILIES "sm70;sm80;sm75")' in out
+    assert 'set(CUTEFLASH_SM70_ARCHS "90-real")' in out and 'set(CUTEFLASH_SM75_ARCHS "75-real")' in out
     assert 'set(CUTEFLASH_SM80_ARCHS "80-real;90-real;90-virtual")' in out
     assert 'set(CUTEFLASH_SM80_TARGETS "8.0 9.0+PTX")' in out
     assert "CUTEFLASH_ARCH_ERROR" not in out
@@ -157,4 +156,4 @@ def test_cmake_mode_without_list_uses_visible_gpus_or_the_default(monkeypatch):
         assert "visible GPUs" in out
     else:
         assert "default (no GPU visible): " + _arch.DEFAULT_ARCH_LIST["cuda13"] in out
-        assert 'set(CUTEFLASH_SM70_TARGETS "7.5")' in out
+        assert 'set(CUTEFLASH_SM75_TARGETS "7.5")' in out

@@ -26,8 +26,15 @@ def test_ampere_and_newer_take_sm80(fake_gpu):
     assert _lib.select_family(0) == "sm80"
 
 
-def test_volta_and_turing_take_sm70(fake_gpu):
-    fake_gpu((7, 5), "Tesla T4", {"sm70": "7.0 7.5", "sm80": "8.0"})
+def test_turing_takes_sm75_where_compiled_and_sm70_otherwise(fake_gpu):
+    fake_gpu((7, 5), "Tesla T4", {"sm70": "7.0", "sm75": "7.5", "sm80": "8.0"})
+    assert _lib.select_family(0) == "sm75"
+    fake_gpu((7, 5), "Tesla T4", {"sm70": "7.0 7.5", "sm80": "8.0"})  # a build from before the sm75 family
+    assert _lib.select_family(0) == "sm70"
+
+
+def test_volta_takes_sm70(fake_gpu):
+    fake_gpu((7, 0), "Tesla V100", {"sm70": "7.0", "sm75": "7.5", "sm80": "8.0"})
     assert _lib.select_family(0) == "sm70"
 
 

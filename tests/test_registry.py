@@ -37,7 +37,7 @@ def test_entries_are_consistent():
 
 
 @pytest.mark.parametrize(
-    "cc,preferred", [(70, "sm70"), (75, "sm70"), (80, "sm80"), (86, "sm80"), (90, "sm80"), (120, "sm80"), (61, None)]
+    "cc,preferred", [(70, "sm70"), (75, "sm75"), (80, "sm80"), (86, "sm80"), (90, "sm80"), (120, "sm80"), (61, None)]
 )
 def test_the_preferred_family_of_a_gpu(cc, preferred):
     serving = _families.serving(cc)

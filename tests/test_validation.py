@@ -87,13 +87,20 @@ def test_exports_mirror_flash_attn():
         assert callable(getattr(cuteflash, name))
 
 
+def any_family() -> str:
+    """A family the build holds: the C++ checks below come before any kernel is looked up."""
+    from cuteflash import _lib
+
+    return next(iter(_lib.build_info()["families"]))
+
+
 # The C++ side re-checks what would otherwise be unsafe, for callers that bypass Python's checks.
 def call_c(direction="fwd", **overrides):
     from cuteflash import _lib
 
     C = _lib.compiled_module()
     args = dict(
-        family="sm80",
+        family=any_family(),
         dtype=0,
         q=(256, (64, 64, 64)),
         k=(512, (64, 64, 64)),
@@ -174,7 +181,7 @@ def test_extension_rechecks_cache_append_arguments(overrides, message):
     from cuteflash import _lib
 
     args = dict(
-        family="sm80",
+        family=any_family(),
         dtype=0,
         k=(256, 64, 64, 64),
         v=(512, 64, 64, 64),
@@ -202,15 +209,15 @@ def test_backward_workspace_rule():
 
     ws = _lib.compiled_module().bwd_workspace
     # 2 x 3 (batch, head) regions of 256 rows (200 rounded up to 128s) of the 64 kernel (head dim 40), then a count
-    # per (batch, head); none for a deterministic pass, whose dQ kernel also needs D in its own buffer.
-    # (dq_accum_floats, d_rowsum_in_dq)
-    assert ws(family="sm80", head_dim=40, batch=2, nheads=3, seqlen_q=200, deterministic=False) == (
-        2 * 3 * (256 * 64 + 1),
-        True,
-    )
-    assert ws(family="sm80", head_dim=40, batch=2, nheads=3, seqlen_q=200, deterministic=True) == (0, False)
-    if "sm70" in _lib.build_info()["families"]:  # (the rule of a family this build holds; others raise)
-        assert not ws(family="sm70", head_dim=64, batch=1, nheads=1, seqlen_q=1, deterministic=False)[1]
+    # per (batch, head); none for a deterministic pass, whose dQ kernel also needs D in its own buffer. D may live in
+    # dq's memory where the family says so (FamilyTraits::kRowsumInDq). (dq_accum_floats, d_rowsum_in_dq)
+    rowsum_in_dq = {"sm70": False, "sm75": False, "sm80": True}
+    for family in _lib.build_info()["families"]:  # (the rule of the families this build holds; others raise)
+        assert ws(family=family, head_dim=40, batch=2, nheads=3, seqlen_q=200, deterministic=False) == (
+            2 * 3 * (256 * 64 + 1),
+            rowsum_in_dq[family],
+        )
+        assert ws(family=family, head_dim=40, batch=2, nheads=3, seqlen_q=200, deterministic=True) == (0, False)
     with pytest.raises(ValueError, match="no kernel family 'sm60'"):
         ws(family="sm60", head_dim=64, batch=1, nheads=1, seqlen_q=1, deterministic=False)
 

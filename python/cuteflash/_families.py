@@ -65,7 +65,7 @@ FAMILIES: tuple[Family, ...] = (
         cuda_max=None,  # (CUDA 13 builds it for 7.5 and newer; _arch.KNOWN_ARCHES says which toolkit builds 7.0)
         fp16_correction=True,
         build_seconds={"fwd": 29, "bwd": 22, "decode": 4},
-        summary="Volta and Turing: WMMA products, error-corrected fp16",
+        summary="Volta (and Turing where the sm75 family is not compiled): WMMA products, error-corrected fp16",
     ),
     Family(
         name="sm80",
@@ -90,7 +90,6 @@ FAMILIES: tuple[Family, ...] = (
         fp16_correction=False,
         build_seconds={"fwd": 125, "bwd": 250, "decode": 4},  # (the sm80 family's: the same kernels)
         summary="Turing: ldmatrix and mma.m16n8k8 (the sm80 family's kernels with Turing's atoms)",
-        released=False,
     ),
 )
 
