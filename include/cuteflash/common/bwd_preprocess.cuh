@@ -58,7 +58,8 @@ __device__ __forceinline__ void bwd_preprocess_rows(BwdParams const& p, Sequence
 }
 
 template <typename Element, int kHeadDim, Variant V>
-__global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads) bwd_preprocess_kernel(const BwdParams p) {
+static __global__ void __launch_bounds__(Preprocess<Element, kHeadDim>::kThreads)
+    bwd_preprocess_kernel(const BwdParams p) {
   using Pre = Preprocess<Element, kHeadDim>;
   const int head = blockIdx.y;
   if (!p.deterministic && blockIdx.x == 0 && threadIdx.x == 0) *dq_blocks_done(p, blockIdx.z, head) = 0;

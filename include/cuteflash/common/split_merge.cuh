@@ -117,7 +117,7 @@ __device__ __forceinline__ void merge_split_row(FwdParams const& p, int batch, i
 
 // A warp per (sequence, head, query row) of a fixed-length batch.
 template <typename Element, int kHeadDim, int kInFlight>
-__global__ void __launch_bounds__(128) merge_splits_kernel(const FwdParams p) {
+static __global__ void __launch_bounds__(128) merge_splits_kernel(const FwdParams p) {
   const int64_t rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
   const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
   if (row >= rows) return;  // the whole warp

@@ -124,7 +124,7 @@ __device__ __forceinline__ void decode_merge(Block& b) {
 
 // Split blockIdx.x of the keys of key-value head blockIdx.y of sequence blockIdx.z.
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParams p) {
+static __global__ void __launch_bounds__(Traits::kThreads) decode_kernel(const FwdParams p) {
   using Pass = DecodePass<Traits>;
   extern __shared__ uint4 smem_raw[];
   DecodeBlock<Traits, Pass> b(p, *reinterpret_cast<DecodeStorage<Traits, Pass>*>(smem_raw));

@@ -543,7 +543,7 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
 // summed by atomics, is converted by the last of its thread blocks to finish (a sequence without keys:
 // zeros).
 template <typename Traits, Variant V>
-__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_kernel(const BwdParams p) {
+static __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) bwd_kernel(const BwdParams p) {
   const int head = blockIdx.y;
   // A sequence without keys has no tile: its blocks only count themselves, and the last converts zeros.
   for_each_tile<V>(
@@ -631,7 +631,7 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
 
 // One thread block per query block of each (sequence, head) (sequence.cuh).
 template <typename Traits, Variant V>
-__global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdParams p) {
+static __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdParams p) {
   for_each_tile<V>(
       p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
       [&](Sequence const& seq, int m_block) { bwd_dq_block<Traits, V>(p, seq, blockIdx.y, m_block); });

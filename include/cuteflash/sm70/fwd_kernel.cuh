@@ -379,7 +379,7 @@ __device__ __forceinline__ void fwd_block(FwdParams const& p, Sequence const& se
 // One thread block per query block of each (sequence, head) and split of the keys (sequence.cuh's
 // for_each_fwd_tile, the heaviest causal blocks first).
 template <typename Traits, Variant V, bool kPaged>
-__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_kernel(const FwdParams p) {
+static __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) fwd_kernel(const FwdParams p) {
   for_each_fwd_tile<V>(
       p, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
       [&](Sequence const& seq, int m_block) { fwd_block<Traits, V, kPaged>(p, seq, blockIdx.y, m_block); });

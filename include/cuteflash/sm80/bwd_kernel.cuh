@@ -388,7 +388,7 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
 
 // One thread block per key block of each (sequence, head) (sequence.cuh).
 template <typename Traits, Variant V>
-__global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams p) {
+static __global__ void __launch_bounds__(Traits::kNThreads) bwd_kernel(const BwdParams p) {
   for_each_tile<V>(
       p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_k, Traits::kBlockN); },
       [&](Sequence const& seq, int n_block) { bwd_block<Traits, V>(p, seq, blockIdx.y, n_block); });
@@ -419,7 +419,7 @@ __device__ __forceinline__ void convert_dq_block(BwdParams const& p, Sequence co
 }
 
 template <typename Traits, Variant V>
-__global__ void __launch_bounds__(Traits::kNThreads) convert_dq_kernel(const BwdParams p) {
+static __global__ void __launch_bounds__(Traits::kNThreads) convert_dq_kernel(const BwdParams p) {
   for_each_tile<V>(
       p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
       [&](Sequence const& seq, int m_block) { convert_dq_block<Traits>(p, seq, blockIdx.y, m_block); });
@@ -547,7 +547,7 @@ __device__ __forceinline__ void bwd_dq_block(BwdParams const& p, Sequence const&
 }
 
 template <typename Traits, Variant V>
-__global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdParams p) {
+static __global__ void __launch_bounds__(Traits::kNThreads) bwd_dq_kernel(const BwdParams p) {
   for_each_tile<V>(
       p, blockIdx.x, [](Sequence const& seq) { return ceil_div(seq.seqlen_q, Traits::kBlockM); },
       [&](Sequence const& seq, int m_block) { bwd_dq_block<Traits, V>(p, seq, blockIdx.y, m_block); });
