@@ -14,7 +14,9 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
         info = {"families": {f: {"targets": t.split()} for f, t in families.items()}}
         monkeypatch.setattr(_lib, "build_info", lambda: info)
-        monkeypatch.setattr(_lib, "_family_runs", lambda family, index: runs)
+        # runs: whether the compiled code runs on this GPU, for every family or for the families named
+        runs_here = (lambda family: runs) if isinstance(runs, bool) else (lambda family: family in runs)
+        monkeypatch.setattr(_lib, "_family_runs", lambda family, index: runs_here(family))
         monkeypatch.setattr(_lib, "_selected", {})
         monkeypatch.delenv(_lib.BACKEND_ENV, raising=False)
 
@@ -30,6 +32,12 @@ def test_turing_takes_sm75_where_compiled_and_sm70_otherwise(fake_gpu):
     fake_gpu((7, 5), "Tesla T4", {"sm70": "7.0", "sm75": "7.5", "sm80": "8.0"})
     assert _lib.select_family(0) == "sm75"
     fake_gpu((7, 5), "Tesla T4", {"sm70": "7.0 7.5", "sm80": "8.0"})  # a build from before the sm75 family
+    assert _lib.select_family(0) == "sm70"
+
+
+def test_a_family_compiled_only_for_other_gpus_is_passed_over(fake_gpu):
+    # a developer's build: sm75 only for 9.0, sm70 for 7.5
+    fake_gpu((7, 5), "Tesla T4", {"sm70": "7.5", "sm75": "9.0", "sm80": "9.0"}, runs={"sm70"})
     assert _lib.select_family(0) == "sm70"
 
 

@@ -1,5 +1,5 @@
 """The sm70 family's error-corrected fp16: what it buys against plain fp16 on a stress case, measured
-against float64. Runs where the sm70 family serves the GPU (a V100/T4, or CUTEFLASH_BACKEND=sm70 with
+against float64. Runs where the sm70 family serves the GPU (a V100, or CUTEFLASH_BACKEND=sm70 with
 the family compiled for the test GPU)."""
 
 import pytest

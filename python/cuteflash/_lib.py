@@ -111,8 +111,10 @@ def _select_family(index: int, forced: str) -> str:
         )
     families = build_info()["families"]
     if forced == "auto":
-        # the preferred family compiled in; where none is, the preferred one, for the message below
-        family = next((f.name for f in serving if f.name in families), serving[0].name)
+        # the preferred family compiled in whose code runs here (a developer's build may hold a family only for another
+        # GPU); else the preferred one compiled in, or the preferred one, for the messages below
+        compiled = [f.name for f in serving if f.name in families]
+        family = next((f for f in compiled if _family_runs(f, index)), compiled[0] if compiled else serving[0].name)
     else:
         family = forced
         low = _families.get(family).cc_min
