@@ -81,7 +81,7 @@ _selected: dict = {}
 
 def select_family(device) -> str:
     """The kernel family for a CUDA device: the registry's (_families.py) preferred family for its compute
-    capability among those compiled in, or the one that ``CUTEFLASH_BACKEND`` (auto or a family's name) forces.
+    capability among those compiled in for it, or the one that ``CUTEFLASH_BACKEND`` (auto or a family's name) forces.
     Raises if it cannot run there.
     Called on every kernel launch, so the answer is cached per (device, CUTEFLASH_BACKEND)."""
     if isinstance(device, torch.device):

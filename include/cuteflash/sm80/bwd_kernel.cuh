@@ -147,11 +147,23 @@ struct StagedQueryLoader {
   }
 };
 
+// The fetch of a query_loader's block: StagedQueryLoader's; nothing for the cp.async loader, which loads when called.
+// (Overloads, not `if constexpr` on the loader's type: CUDA 11.8 instantiates the discarded branch in bwd_block's
+// lambda and finds no fetch() on the cp.async loader.)
+template <typename Loader>
+__device__ __forceinline__ void fetch_query_block(Loader&, int) {}
+
+template <typename Traits, typename Rows, typename ThrCopy, typename Dst, typename Coord>
+__device__ __forceinline__ void fetch_query_block(StagedQueryLoader<Traits, Rows, ThrCopy, Dst, Coord>& loader,
+                                                  int m_block) {
+  loader.fetch(m_block);
+}
+
 // A loader of query block m_block of rows (a head's query rows: gQ, gdO) into the shared tile s (kBlockM, kHeadDim)
 // with cp.async, zeros past seqlen_q and head_dim. Its offset (elements) moves the destination: a stage of a
 // multi-buffered tile. A whole query block without a head-dim remainder loads without bounds checks (whose
 // zero-filling stores nvcc would otherwise issue, predicated off, in every step). Without cp.async, a
-// StagedQueryLoader, whose fetch() the caller issues first.
+// StagedQueryLoader, whose fetch (fetch_query_block) the caller issues first.
 template <typename Traits, typename Rows, typename SmemTile>
 __device__ __forceinline__ auto query_loader(BwdParams const& p, Sequence const& seq, Rows const& rows,
                                              SmemTile const& s, int tid) {
@@ -287,10 +299,8 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
   auto load_q = query_loader<Traits>(p, seq, gQ, sQ, tid);  // (m_block, stage * kQSize)
   auto load_do = query_loader<Traits>(p, seq, gdO, sdO, tid);
   if (!queries.empty()) {
-    if constexpr (!Traits::kCpAsync) {
-      load_q.fetch(queries.begin);
-      load_do.fetch(queries.begin);
-    }
+    fetch_query_block(load_q, queries.begin);
+    fetch_query_block(load_do, queries.begin);
     load_q(queries.begin, 0);
     load_do(queries.begin);
   }
@@ -321,12 +331,9 @@ __device__ __forceinline__ void bwd_block(BwdParams const& p, Sequence const& se
     const bool has_next = m_block + 1 < queries.end;
     cp_async_wait<0>();
     __syncthreads();  // Q and dO of this block (and K, V) are in shared memory
-    // Without cp.async, the next block into registers, stored below where this one's buffers are free.
-    if constexpr (!Traits::kCpAsync) {
-      if (has_next) {
-        load_q.fetch(m_block + 1);
-        load_do.fetch(m_block + 1);
-      }
+    if (has_next) {   // without cp.async, the next block into registers, stored below where this one's buffers are free
+      fetch_query_block(load_q, m_block + 1);
+      fetch_query_block(load_do, m_block + 1);
     }
 
     float lse_log2[kRows], d[kRows];  // loaded first: the products hide the global loads' latency
