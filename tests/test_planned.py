@@ -112,6 +112,23 @@ def test_strided_views_and_misaligned_tensors(make_qkv, require_support, general
         assert torch.equal(x, y)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_planned_calls_on_new_tensors(causal, make_qkv, require_support, general_path):
+    """Calls of one signature on q, k, v at new addresses, with new values, each give their own general path's out: a
+    plan holds no address (the sm90 kernels' TMA descriptors hold one, and are built at every call)."""
+    shape = (2, 200, 333, 4, 2, 128)
+    interface._plans.clear()
+    held = []  # kept alive, so that no call's tensors reuse an earlier call's memory
+    for _ in range(3):
+        q, k, v = make_qkv(*shape, torch.float16)
+        held.append((q, k, v))
+        args = (q, k, v, None)
+        expected = general_path(lambda args=args: _call(*args, clone=False, causal=causal))[0]
+        assert torch.equal(_call(*args, clone=False, causal=causal)[0], expected)
+    assert any(isinstance(plan, _ops.FwdPlan) for plan in interface._plans.values())
+
+
 def _key(q, k, v, kwargs):
     """The plan key of flash_attn_func(q, k, v, **kwargs)."""
     return interface._plan_key(

@@ -69,15 +69,8 @@ struct OnlineSoftmax {
   // maxima (which spilled at head dim 128). A masked score (-inf) needs f applied before: f is for unmasked blocks.
   template <typename STensor, typename OTensor, typename F = Identity>
   __device__ __forceinline__ void update(STensor& s, OTensor& acc_o, float scale_log2, F f = {}) {
-    static_assert(decltype(size<0>(s))::value == kRows);
     float m_new[kRows];
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      m_new[mi] = std::is_same_v<F, Identity> ? row_reduce(s, mi, m[mi], MaxOp{})
-                                              : MaxOp{}(m[mi], f(row_reduce(s, mi, -INFINITY, MaxOp{})));
-    }
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) m_new[mi] = quad_allreduce(m_new[mi], MaxOp{});
+    row_maxes(s, f, m_new);
     float offset[kRows];
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
@@ -88,13 +81,33 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int oi = 0; oi < size<1>(acc_o); ++oi) acc_o(mi, oi) *= alpha;
     }
+    exponentiate(s, f, scale_log2, offset);
+  }
+
+  // update without acc_o, for a kernel whose product into acc_o is still in flight: the factors by which it must
+  // multiply acc_o's rows afterwards (rescale) go to alpha.
+  template <typename STensor, typename F = Identity>
+  __device__ __forceinline__ void update_scores(STensor& s, float scale_log2, float (&alpha)[kRows], F f = {}) {
+    float m_new[kRows];
+    row_maxes(s, f, m_new);
+    float offset[kRows];
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      const RowStep step = online_step(m[mi], m_new[mi], scale_log2);
+      offset[mi] = step.offset;
+      alpha[mi] = step.alpha();
+      l[mi] *= alpha[mi];
+    }
+    exponentiate(s, f, scale_log2, offset);
+  }
+
+  template <typename OTensor>
+  __device__ __forceinline__ static void rescale(OTensor& acc_o, float const (&alpha)[kRows]) {
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2_approx(f(s(mi, ni)) * scale_log2 - offset[mi]);
+      for (int oi = 0; oi < size<1>(acc_o); ++oi) acc_o(mi, oi) *= alpha[mi];
     }
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) l[mi] = row_reduce(s, mi, l[mi], SumOp{});
   }
 
   // Normalises acc_o by the row sums and returns the log-sum-exp of scale * S per row. A row that saw
@@ -112,6 +125,32 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int oi = 0; oi < size<1>(acc_o); ++oi) acc_o(mi, oi) *= inv;
     }
+  }
+
+ private:
+  // The rows' new maxima: of the running ones and the block's scores through f, over the quad that shares a row.
+  template <typename STensor, typename F>
+  __device__ __forceinline__ void row_maxes(STensor const& s, F f, float (&m_new)[kRows]) const {
+    static_assert(decltype(size<0>(s))::value == kRows);
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      m_new[mi] = std::is_same_v<F, Identity> ? row_reduce(s, mi, m[mi], MaxOp{})
+                                              : MaxOp{}(m[mi], f(row_reduce(s, mi, -INFINITY, MaxOp{})));
+    }
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) m_new[mi] = quad_allreduce(m_new[mi], MaxOp{});
+  }
+
+  // S into P = exp2(f(S) scale_log2 - offset) in place, and P's rows added to the running sums.
+  template <typename STensor, typename F>
+  __device__ __forceinline__ void exponentiate(STensor& s, F f, float scale_log2, float const (&offset)[kRows]) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2_approx(f(s(mi, ni)) * scale_log2 - offset[mi]);
+    }
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) l[mi] = row_reduce(s, mi, l[mi], SumOp{});
   }
 };
 

@@ -1,0 +1,334 @@
+// sm90 forward kernel: FlashAttention with TMA loads, wgmma products and warp specialisation.
+//
+// One thread block owns kBlockM query rows of one (sequence, head). Warpgroup 0 is the producer: one thread issues
+// the TMA loads of Q, then of K and V block by block (from the last visible block down, as the sm80 family walks
+// them) into kStages buffers each, guarded by mbarriers (full: loaded; empty: every consumer warpgroup is done with
+// it). The other warpgroups are consumers, 64 query rows each:
+//   S = Q K^T (wgmma, both from shared memory)  ->  mask  ->  online softmax (common/softmax.cuh)  ->
+//   O += P V (wgmma, P from registers)
+// and at the end O through shared memory (Q's buffer) to global memory, and the rows' log-sum-exp.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/device_kernel.h>  // CUTLASS_GRID_CONSTANT
+
+#include "cuteflash/common/mask.cuh"
+#include "cuteflash/common/params.h"
+#include "cuteflash/common/softmax.cuh"
+#include "cuteflash/common/utils.cuh"
+#include "cuteflash/sm90/traits.h"
+
+namespace cuteflash::sm90 {
+
+using cutlass::arch::ClusterBarrier;
+using cutlass::arch::ClusterTransactionBarrier;
+
+// The kernel's argument: the TMA descriptors (which hold the operands' addresses) and the params.
+template <typename Traits>
+struct FwdArgs {
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaVt tma_v;
+  FwdParams p;
+};
+
+// An accumulator fragment of wgmma, ((2, 2, N / 8), MMA_M, MMA_N) (a thread holds column pairs of two rows 8 apart),
+// viewed as (rows, cols) = ((2, MMA_M), (2, N / 8, MMA_N)).
+template <typename Layout>
+__host__ __device__ constexpr auto acc_rowcol_gmma(Layout acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3 && decltype(size<0, 0>(acc))::value == 2);
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
+                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
+}
+
+// The same accumulator, converted to 16 bits, as the register A operand of the next wgmma (P in P V): its k16 slices
+// are pairs of n8 column blocks, ((2, 2, 2), MMA_M, (N / 16, MMA_N)); the values stay where they are.
+template <typename Layout>
+__host__ __device__ constexpr auto acc_as_a_operand_gmma(Layout acc) {
+  static_assert(decltype(size<0, 2>(acc))::value % 2 == 0);
+  auto pairs = logical_divide(get<0, 2>(acc), Tile<_2>{});  // (2, N / 16)
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(pairs)), get<1>(acc),
+                     coalesce(make_layout(get<0, 1>(pairs), get<2>(acc))));
+}
+
+// c (+)= a b over the k-slices of a and b, issued as one batch of wgmma; kWait: then waits until at most kWait
+// batches are in flight (-1: returns at once, the caller waits with warpgroup_wait). kZeroInit: c = a b (the first
+// slice's product overwrites c, so that no other instruction writes c between products).
+template <bool kZeroInit, int kWait, typename TiledMma, typename TA, typename TB, typename TC>
+__device__ __forceinline__ void gmma(TiledMma& tiled_mma, TA const& a, TB const& b, TC& c) {
+  constexpr bool kRegisterA = !std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>;
+  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(tiled_mma, a(_, _, k), b(_, _, k), c);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
+// Named barriers (CUTLASS's user ids, 0-7), one of each per consumer warpgroup: its epilogue's, and its turn to issue
+// products (Turns).
+constexpr uint32_t kEpilogueBarrier = 0;
+constexpr uint32_t kTurnBarrier = 3;
+
+// The consumer warpgroups take turns to issue their products, so that one's softmax runs while another's products
+// do (rather than all contending for the tensor cores at once, then all waiting on the exponentials): warpgroup w
+// waits for its turn before it issues, and passes the turn on to w + 1 after. The first warpgroup's first turn is
+// given at the start (begin); the last pass, back to it, is taken at the end (end), so that no barrier is left
+// half-arrived.
+template <int kWarpgroups>
+struct Turns {
+  int warpgroup;
+  __device__ __forceinline__ void begin() const {
+    if (warpgroup == 0) cutlass::arch::NamedBarrier::arrive(256, kTurnBarrier);
+  }
+  __device__ __forceinline__ void wait() const { cutlass::arch::NamedBarrier::sync(256, kTurnBarrier + warpgroup); }
+  __device__ __forceinline__ void pass() const {
+    cutlass::arch::NamedBarrier::arrive(256, kTurnBarrier + (warpgroup + 1) % kWarpgroups);
+  }
+  __device__ __forceinline__ void end() const {
+    if (warpgroup == 0) wait();
+  }
+};
+
+// A ring of kStages buffers: the stage and the phase parity a thread's next use of it waits for.
+template <int kStages>
+struct RingState {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// The producer's thread: Q, then K and V of each visible key block, from the last down (nothing for a query block
+// that sees no key). A buffer is refilled once every consumer warpgroup has released it (its empty barrier's phase;
+// the first round waits for nothing).
+template <typename Traits>
+__device__ __forceinline__ void load_tiles(FwdArgs<Traits> const& args, typename Traits::SharedStorage& smem,
+                                           Sequence const& seq, int head, int m_block, BlockRange const& keys) {
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  FwdParams const& p = args.p;
+  const int head_k = head / (p.nheads / p.nheads_k);
+  Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
+  Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_k, p.batch));
+  Tensor mVt = args.tma_v.get_tma_tensor(make_shape(p.head_dim, p.seqlen_k, p.nheads_k, p.batch));
+  Tensor gQ = local_tile(mQ(_, _, head, seq.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(mK(_, _, head_k, seq.k_batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+  Tensor gVt = local_tile(mVt(_, _, head_k, seq.k_batch), Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(0, _));
+  // gQ: (kBlockM, kHeadDim); gK: (kBlockN, kHeadDim, blocks); gVt: (kHeadDim, kBlockN, blocks)
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+
+  auto tma_q = args.tma_q.get_slice(_0{});
+  auto tma_k = args.tma_k.get_slice(_0{});
+  auto tma_v = args.tma_v.get_slice(_0{});
+  Tensor tQgQ = group_modes<0, 3>(tma_q.partition_S(gQ));    // (TMA)
+  Tensor tQsQ = group_modes<0, 3>(tma_q.partition_D(sQ));    // (TMA)
+  Tensor tKgK = group_modes<0, 3>(tma_k.partition_S(gK));    // (TMA, blocks)
+  Tensor tKsK = group_modes<0, 3>(tma_k.partition_D(sK));    // (TMA, stages)
+  Tensor tVgVt = group_modes<0, 3>(tma_v.partition_S(gVt));  // (TMA, blocks)
+  Tensor tVsVt = group_modes<0, 3>(tma_v.partition_D(sVt));  // (TMA, stages)
+
+  if (keys.empty()) return;  // the consumers write O = 0 through sQ at once: nothing may land there
+  ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
+  copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
+  RingState<Traits::kStages> ring;
+  for (int n_block = keys.end - 1; n_block >= keys.begin; --n_block) {
+    ClusterBarrier::wait(&smem.k_empty[ring.stage], ring.phase ^ 1);
+    ClusterTransactionBarrier::arrive_and_expect_tx(&smem.k_full[ring.stage], Traits::kKVBytes);
+    copy(args.tma_k.with(smem.k_full[ring.stage]), tKgK(_, n_block), tKsK(_, ring.stage));
+    ClusterBarrier::wait(&smem.v_empty[ring.stage], ring.phase ^ 1);
+    ClusterTransactionBarrier::arrive_and_expect_tx(&smem.v_full[ring.stage], Traits::kKVBytes);
+    copy(args.tma_v.with(smem.v_full[ring.stage]), tVgVt(_, n_block), tVsVt(_, ring.stage));
+    ring.advance();
+  }
+}
+
+// The end of a consumer warpgroup's rows: O /= l and lse = m scale + log(l); O through its rows of sQ (which its own
+// products no longer read) to global memory, rows < rows_left and columns < head_dim.
+template <typename Traits, typename Softmax, typename AccO>
+__device__ __forceinline__ void store_output(FwdParams const& p, Sequence const& seq, int head, int m_block,
+                                             Softmax& softmax, AccO& acc_o, typename Traits::SharedStorage& smem,
+                                             int tid) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  typename Traits::TiledMmaPV tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tid);
+  Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol_gmma(acc_o.layout()));
+  constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+  float row_lse[kRows];
+  softmax.finalize(acc_o_rc, p.softmax_scale, row_lse);
+
+  const int rows_left = seq.seqlen_q - m_block * kBlockM;
+  Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor cO_rc = make_tensor(cO.data(), acc_rowcol_gmma(cO.layout()));
+  float* lse = p.lse + seq.stats(p, head) + m_block * kBlockM;
+  if (get<1>(cO_rc(0, 0)) == 0) {  // the first thread of each quad writes the quad's rows
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      const int row = get<0>(cO_rc(mi, 0));
+      if (row < rows_left) lse[row] = row_lse[mi];
+    }
+  }
+
+  const int warpgroup = tid / 128;
+  const uint32_t barrier = kEpilogueBarrier + uint32_t(warpgroup);
+  Tensor sO = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
+  cutlass::arch::NamedBarrier::sync(128, barrier);  // the warpgroup's products no longer read its rows of sQ
+  Tensor rO = convert_fragment<Element>(acc_o);
+  auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma);
+  auto smem_thr = smem_copy.get_thread_slice(tid);
+  copy(smem_copy, smem_thr.retile_S(rO), smem_thr.partition_D(sO));
+  cutlass::arch::NamedBarrier::sync(128, barrier);
+
+  Tensor gO =
+      local_tile(make_tensor(make_gmem_ptr(p.o.at<Element>(seq.batch, head, seq.q_row0 + m_block * kBlockM)),
+                             make_layout(Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.o.row_stride, _1{}))),
+                 Shape<_64, Int<kHeadDim>>{}, make_coord(warpgroup, 0));  // (64, kHeadDim): the warpgroup's rows
+  Tensor sO_rows = local_tile(sO, Shape<_64, Int<kHeadDim>>{}, make_coord(warpgroup, 0));
+  typename Traits::GmemTiledCopyO gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tid % 128);
+  Tensor cO_rows = gmem_thr.partition_S(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+  copy_tile_bounded<false>(gmem_copy, gmem_thr.partition_S(sO_rows), gmem_thr.partition_D(gO), cO_rows,
+                           rows_left - warpgroup * 64, p.head_dim);
+}
+
+// A consumer warpgroup's thread (tid: its index among the consumers): the key loop over the blocks the producer loads,
+// from the last down, the masked ones first. The product P V of a block runs while the softmax of the next block's
+// scores does: each step issues S = Q K^T of its block and O += P V of the block before, takes the softmax of S once
+// the first is done, and rescales O once the second is.
+template <typename Traits>
+__device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits::SharedStorage& smem,
+                                             Sequence const& seq, int head, int m_block, BlockRange const& keys,
+                                             int tid) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K): descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, kStages)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N over the head dim, MMA_K over keys, kStages)
+  Tensor acc_o = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+  Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol_gmma(acc_o.layout()));
+  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), acc_rowcol_gmma(cS.layout()));
+  constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+  OnlineSoftmax<kRows> softmax;
+
+  if (!keys.empty()) {
+    const bool is_signaling = tid % 128 == 0;  // one arrival per warpgroup releases a buffer
+    RingState<Traits::kStages> ring_k, ring_v;
+    Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor s = make_tensor(acc_s.data(), acc_rowcol_gmma(acc_s.layout()));  // (rows, cols)
+    Tensor rP = make_fragment_like<Element>(acc_s);
+    Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand_gmma(rP.layout()));  // (MMA, MMA_M, MMA_K)
+    auto scores = [&](int n_block, auto masked) __attribute__((always_inline)) {
+      if constexpr (decltype(masked)::value) {
+        apply_mask(s, cS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy<Variant::kFixed>(p, seq));
+      }
+    };
+    auto release = [&](uint64_t* empty, RingState<Traits::kStages>& ring) {
+      if (is_signaling) ClusterBarrier::arrive(&empty[ring.stage]);
+      ring.advance();
+    };
+
+    const Turns<Traits::kConsumerWarpgroups> turns{tid / 128};
+    turns.begin();
+    int n_block = keys.end - 1;
+    ClusterTransactionBarrier::wait(&smem.q_full, 0);
+    ClusterTransactionBarrier::wait(&smem.k_full[ring_k.stage], ring_k.phase);
+    gmma<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, ring_k.stage), acc_s);
+    release(smem.k_empty, ring_k);
+    if (n_block >= keys.unmasked_end) {
+      scores(n_block, cute::true_type{});
+    }
+    float alpha[kRows];
+    softmax.update_scores(s, p.softmax_scale_log2, alpha);  // O is 0 still: no rescale
+    copy(convert_fragment<Element>(acc_s), rP);
+
+    auto step = [&](int n_block, auto masked) __attribute__((always_inline)) {
+      ClusterTransactionBarrier::wait(&smem.k_full[ring_k.stage], ring_k.phase);
+      turns.wait();
+      gmma<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, ring_k.stage), acc_s);
+      ClusterTransactionBarrier::wait(&smem.v_full[ring_v.stage], ring_v.phase);
+      gmma<false, -1>(mma_pv, tOrP, tOrV(_, _, _, ring_v.stage), acc_o);
+      turns.pass();
+      warpgroup_wait<1>();  // S is done
+      warpgroup_fence_operand(acc_s);
+      release(smem.k_empty, ring_k);
+      scores(n_block, masked);
+      float alpha[kRows];
+      softmax.update_scores(s, p.softmax_scale_log2, alpha);
+      warpgroup_wait<0>();  // P V is done
+      warpgroup_fence_operand(acc_o);
+      release(smem.v_empty, ring_v);
+      softmax.rescale(acc_o_rc, alpha);
+      copy(convert_fragment<Element>(acc_s), rP);
+    };
+    for (--n_block; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{});
+    for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{});
+    ClusterTransactionBarrier::wait(&smem.v_full[ring_v.stage], ring_v.phase);
+    gmma<false, 0>(mma_pv, tOrP, tOrV(_, _, _, ring_v.stage), acc_o);
+    release(smem.v_empty, ring_v);
+    turns.end();
+  }
+  store_output<Traits>(p, seq, head, m_block, softmax, acc_o, smem, tid);
+}
+
+// One thread block per query block of each (sequence, head), the heaviest causal blocks first. Fixed-length batches
+// without options (the registry sends the other calls to the sm80 family).
+template <typename Traits>
+static __global__ void __launch_bounds__(Traits::kNThreads, 1)
+    fwd_kernel(CUTLASS_GRID_CONSTANT FwdArgs<Traits> const args) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+  FwdParams const& p = args.p;
+  const int warp = cutlass::canonical_warp_idx_sync();
+  if (warp == 0 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    ClusterTransactionBarrier::init(&smem.q_full, 1);
+    for (int s = 0; s < Traits::kStages; ++s) {
+      ClusterTransactionBarrier::init(&smem.k_full[s], 1);
+      ClusterTransactionBarrier::init(&smem.v_full[s], 1);
+      ClusterBarrier::init(&smem.k_empty[s], Traits::kConsumerWarpgroups);
+      ClusterBarrier::init(&smem.v_empty[s], Traits::kConsumerWarpgroups);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();  // the last barrier of the whole block: the producer's other warps leave below
+
+  const int m_block = int(gridDim.x - 1 - blockIdx.x);
+  const int head = blockIdx.y;
+  const Sequence seq = sequence<Variant::kFixed>(p, blockIdx.z);
+  const BlockRange keys =
+      mask_policy<Variant::kFixed>(p, seq).template key_blocks<Traits::kBlockM, Traits::kBlockN>(m_block);
+  if (warp < 4) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (warp == 0 && cute::elect_one_sync()) load_tiles<Traits>(args, smem, seq, head, m_block, keys);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    compute_tile<Traits>(p, smem, seq, head, m_block, keys, int(threadIdx.x) - 128);
+  }
+}
+
+}  // namespace cuteflash::sm90

@@ -1,0 +1,63 @@
+// The sm90 family's tiles (Hopper: H100, H200, GH200; 227 KB of shared memory per block, 64 K registers per SM).
+// Plain C++: the host (dispatch.cpp, through host/registry.h) reads FamilyTraits.
+#pragma once
+
+#include "cuteflash/common/tiles.h"
+#include "cuteflash/decode/config.h"
+#include "cuteflash/sm80/tiles.h"
+
+namespace cuteflash {
+
+// sm90 forward: a producer warpgroup issues the TMA loads of Q and of K and V into `stages` buffers each; consumer
+// warpgroups of 64 query rows each compute S = Q K^T and O += P V with wgmma. The shared memory holds Q and the
+// stages of K and V: (block_m + 2 stages block_n) x head_dim elements.
+struct Sm90FwdTile {
+  int block_m;  // query rows per thread block: 64 per consumer warpgroup
+  int block_n;  // keys per step
+  int stages;   // K and V buffers
+
+  constexpr int consumer_warpgroups() const { return block_m / 64; }
+  constexpr int threads() const { return 128 * (consumer_warpgroups() + 1); }
+  constexpr int smem_bytes(int head_dim, int elem_bytes) const {
+    return (block_m + 2 * stages * block_n) * head_dim * elem_bytes;
+  }
+};
+
+// The keys per step shrink as the head dim grows, so that S (block_n / 2 fp32 registers a consumer thread), P (block_n
+// / 4) and O (head_dim / 2) fit a consumer's registers, and Q, K and V the shared memory. Up to head dim 96, three
+// consumer warpgroups (192 rows; 160 registers a thread) of 128 keys; above, two (128 rows; 240 registers): 176 keys
+// at 128 without a mask (212 KB), 128 causal (fewer keys beside the diagonal masked for nothing), 112 up to 192
+// (216 KB), 80 above (224 KB at 256).
+constexpr Sm90FwdTile sm90_fwd_tile(int head_dim, bool causal) {
+  return head_dim <= 96    ? Sm90FwdTile{192, 128, 2}
+         : head_dim <= 128 ? Sm90FwdTile{128, causal ? 128 : 176, 2}
+         : head_dim <= 192 ? Sm90FwdTile{128, 112, 2}
+                           : Sm90FwdTile{128, 80, 2};
+}
+
+constexpr bool sm90_fwd_tiles_fit(int smem_bytes) {
+  for (int head_dim : kHeadDims) {
+    for (bool causal : {false, true}) {
+      // 1 KB for the barriers and the alignment of the swizzled tiles.
+      if (sm90_fwd_tile(head_dim, causal).smem_bytes(head_dim, 2) + 1024 > smem_bytes) return false;
+    }
+  }
+  return true;
+}
+static_assert(sm90_fwd_tiles_fit(kSmemSm90Bytes));
+
+}  // namespace cuteflash
+
+namespace cuteflash::sm90 {
+
+// What the host (host/registry.h, through the generated dispatch) and the shared decoding kernel know of the family.
+struct FamilyTraits {
+  // The decoding kernel is the sm80 family's (decode_launch.cuh).
+  static constexpr DecodeConfig kDecode = sm80::FamilyTraits::kDecode;
+  // The backward is the sm80 family's (the registry's rule sends it there).
+  static constexpr bool kRowsumInDq = sm80::FamilyTraits::kRowsumInDq;
+  // The forward tile by which the tiled kernels' key splits are planned: KV-cache calls run the sm80 family's kernels.
+  static constexpr TileConfig split_tile(int head_dim) { return sm80::FamilyTraits::split_tile(head_dim); }
+};
+
+}  // namespace cuteflash::sm90

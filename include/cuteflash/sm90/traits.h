@@ -1,0 +1,129 @@
+// The sm90 family's forward traits: wgmma products, TMA loads and the shared-memory layouts both take.
+//
+// Hopper's instructions exist only in code compiled for sm_90a: wgmma, setmaxnreg (empty in plain sm_90 code, where
+// the kernels would trap or run out of registers).
+#pragma once
+
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+
+#include "cuteflash/common/utils.cuh"
+#include "cuteflash/sm90/tiles.h"
+
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "the sm90 family's kernels are compiled for sm_90a only"
+#endif
+
+namespace cuteflash::sm90 {
+
+// The widest swizzle of a 16-bit operand tile whose contiguous mode (K for kMajor K, else M or N) has kContig
+// elements: 128-byte rows where it is a multiple of 64, else 64 or 32 bytes.
+template <GMMA::Major kMajor, typename Element, int kContig>
+constexpr auto smem_atom() {
+  static_assert(sizeof(Element) == 2 && kContig % 16 == 0);
+  if constexpr (kMajor == GMMA::Major::K) {
+    if constexpr (kContig % 64 == 0) {
+      return GMMA::Layout_K_SW128_Atom<Element>{};
+    } else if constexpr (kContig % 32 == 0) {
+      return GMMA::Layout_K_SW64_Atom<Element>{};
+    } else {
+      return GMMA::Layout_K_SW32_Atom<Element>{};
+    }
+  } else {
+    if constexpr (kContig % 64 == 0) {
+      return GMMA::Layout_MN_SW128_Atom<Element>{};
+    } else if constexpr (kContig % 32 == 0) {
+      return GMMA::Layout_MN_SW64_Atom<Element>{};
+    } else {
+      return GMMA::Layout_MN_SW32_Atom<Element>{};
+    }
+  }
+}
+
+// One forward kernel's shapes: kBlockM query rows (64 per consumer warpgroup), kBlockN keys per step, kStages
+// buffers of K and of V.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kNThreads = 128 + kConsumerThreads;  // warpgroup 0 loads
+  static_assert(kBlockM % 64 == 0 && kConsumerWarpgroups <= 3);
+  // setmaxnreg's registers a thread (multiples of 8): the producer gives up what the consumers take, within 64 K a
+  // block (2 consumer warpgroups: 128 x 24 + 256 x 240).
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
+
+  // S = Q K^T: (kBlockM, kBlockN) over kHeadDim, both operands from shared memory. O += P V: (kBlockM, kHeadDim) over
+  // kBlockN, P from registers, V from shared memory as an MN-major B operand (head dim contiguous, as V lies in
+  // memory: wgmma transposes 16-bit B operands itself). Warpgroup w computes rows [64 w, 64 w + 64) of both.
+  using WarpgroupLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>>(),
+      WarpgroupLayout{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      WarpgroupLayout{}));
+
+  using SmemLayoutQ = decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kHeadDim>(),
+                                             Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (kBlockM, kHeadDim), also O
+  using SmemLayoutK = decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kHeadDim>(),
+                                             Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V^T: (kHeadDim, kBlockN, kStages), the head dim contiguous.
+  using SmemLayoutVt = decltype(tile_to_shape(smem_atom<GMMA::Major::MN, Element, kHeadDim>(),
+                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+
+  // The TMA copies, over global tensors (rows, head dim, heads, batch) of q and k with the head dim contiguous, and
+  // V^T (head dim, rows, heads, batch) over v's memory.
+  using GmemShape = Shape<int, int, int, int>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemStrideVt = Stride<_1, int64_t, int64_t, int64_t>;
+  template <typename Stride_>
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, Stride_{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor<GmemStride>{}, SmemLayoutQ{},
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor<GmemStride>{}, take<0, 2>(SmemLayoutK{}),
+                                      Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaVt = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor<GmemStrideVt>{}, take<0, 2>(SmemLayoutVt{}),
+                                       Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
+  // The bytes each load brings (a TMA load counts the zeros it fills past the tensor's end too).
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  // O from shared memory to global memory, 16 bytes a thread, by one warpgroup: rows of 64 or 32 columns.
+  static constexpr int kGmemThreadsPerRow = (kHeadDim % 64 == 0 ? 64 : 32) / 8;
+  using GmemTiledCopyO = decltype(make_tiled_copy(
+      Copy_Atom<UniversalCopy<uint128_t>, Element>{},
+      Layout<Shape<Int<128 / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>{},
+      Layout<Shape<_1, _8>>{}));
+
+  struct SharedStorage {
+    // 1 KB aligned: the 128-byte swizzle repeats every 1024 bytes, and TMA and wgmma address it from there.
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
+    // mbarriers: Q loaded; stage s of K (of V) loaded, and released by every consumer warpgroup.
+    uint64_t q_full;
+    uint64_t k_full[kStages];
+    uint64_t k_empty[kStages];
+    uint64_t v_full[kStages];
+    uint64_t v_empty[kStages];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+};
+
+// The traits of head dim kHeadDim's kernel, causal or not (tiles.h).
+template <typename Element, int kHeadDim, bool kCausal>
+struct FwdTraitsSelect {
+  static constexpr Sm90FwdTile kTile = sm90_fwd_tile(kHeadDim, kCausal);
+  using type = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
+};
+
+}  // namespace cuteflash::sm90
