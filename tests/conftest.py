@@ -100,28 +100,45 @@ def _family_entry() -> tuple[str, dict]:
     return family, build_info()["families"][family]
 
 
+def _computing_entries() -> tuple[str, list[dict]]:
+    """The family serving this GPU and the build's entries of the families that compute its calls: its own, then
+    those it hands calls to (the registry's delegate, e.g. sm80 for sm90), where compiled in."""
+    from cuteflash import _families
+    from cuteflash._lib import build_info
+
+    family, entry = _family_entry()
+    entries, delegate = [entry], _families.get(family).delegate
+    while delegate is not None:
+        if delegate in build_info()["families"]:
+            entries.append(build_info()["families"][delegate])
+        delegate = _families.get(delegate).delegate
+    return family, entries
+
+
 def _require_support(dtype=None, backward=False) -> None:
     """Skip what the kernel family serving this GPU does not do (bf16 on sm70, e.g. under
-    CUTEFLASH_BACKEND=sm70; the backward pass in a forward-only build)."""
-    family, entry = _family_entry()
-    if dtype == torch.bfloat16 and "bfloat16" not in entry["dtypes"]:
+    CUTEFLASH_BACKEND=sm70; the backward pass in a forward-only build), nor the family it hands calls to."""
+    family, entries = _computing_entries()
+    if dtype == torch.bfloat16 and not any("bfloat16" in entry["dtypes"] for entry in entries):
         pytest.skip(f"the {family} family has no bf16 kernels")
-    if backward and "bwd" not in entry["directions"]:
+    if backward and not any("bwd" in entry["directions"] for entry in entries):
         pytest.skip(f"the {family} family has no backward kernels in this build")
 
 
 def _require_head_dim(head_dim: int) -> None:
-    """Skip a head dim whose kernel this build did not compile for the family serving this GPU."""
+    """Skip a head dim whose kernel this build did not compile for the family serving this GPU, nor for the family
+    it hands calls to."""
     from cuteflash._lib import kernel_head_dim
 
-    family, entry = _family_entry()
-    if kernel_head_dim(head_dim) not in entry["head_dims"]:
+    family, entries = _computing_entries()
+    if not any(kernel_head_dim(head_dim) in entry["head_dims"] for entry in entries):
         pytest.skip(f"this build has no {family} kernel for head dim {head_dim}")
 
 
 # The shared memory of each family's smaller GPUs: a T4 and a V100 (whose 96 KB the largest sm70 backward tile
-# fills exactly at head dim 128) for sm70; a T4 for sm75; sm86/89/120 and an A100 for sm80.
-_SMEM_LIMITS = {"sm70": (65536, 98304), "sm75": (65536, 65536), "sm80": (101376, 166912)}
+# fills exactly at head dim 128) for sm70; a T4 for sm75; sm86/89/120 and an A100 for sm80; for sm90 every Hopper
+# GPU's 227 KB.
+_SMEM_LIMITS = {"sm70": (65536, 98304), "sm75": (65536, 65536), "sm80": (101376, 166912), "sm90": (232448,)}
 
 
 @pytest.fixture(params=[0, 1], ids=["smallest", "next"])

@@ -1,12 +1,13 @@
 """TORCH_CUDA_ARCH_LIST parsing (python/cuteflash/_arch.py, which CMake runs): no GPU or nvcc needed."""
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
-from cuteflash import _arch
-from cuteflash._arch import ArchError, parse
+from cuteflash import _arch, _families
+from cuteflash._arch import ArchError, Target, parse
 
 
 def targets(sel, family):
@@ -99,6 +100,79 @@ def test_extra_targets_go_to_the_named_family():
 def test_cmake_architecture_items():
     sel = parse("8.6+PTX;9.0a", cuda=(12, 9))
     assert [item for t in sel.targets["sm80"] for item in t.cmake()] == ["86-real", "86-virtual", "90a-real"]
+    assert Target(90, "a").cmake() == ["90a-real"]
+
+
+# ---- A family that comes alongside another (sm90: sm_90a code beside the sm80 family's for 9.0).
+
+
+@pytest.fixture
+def released_sm90(monkeypatch):
+    families = tuple(dataclasses.replace(f, released=True) if f.name == "sm90" else f for f in _families.FAMILIES)
+    monkeypatch.setattr(_families, "FAMILIES", families)
+
+
+@pytest.mark.parametrize(
+    "arch_list,sm80,sm90",
+    [
+        ("9.0", ["9.0"], ["9.0a"]),
+        ("9.0+PTX", ["9.0+PTX"], ["9.0a"]),  # (machine code only: sm_90a code runs on no other GPU)
+        ("Hopper", ["9.0+PTX"], ["9.0a"]),
+        ("9.0a", ["9.0a"], ["9.0a"]),
+        ("8.0;9.0;10.0", ["8.0", "9.0", "10.0"], ["9.0a"]),
+        ("8.0;8.6", ["8.0", "8.6"], []),
+    ],
+)
+def test_a_released_alongside_family_takes_its_targets_beside_the_other(released_sm90, arch_list, sm80, sm90):
+    sel = parse(arch_list, cuda=(12, 9))
+    assert (targets(sel, "sm80"), targets(sel, "sm90")) == (sm80, sm90)
+    assert not sel.notes
+    assert _arch.family_of(90) == "sm80"
+
+
+def test_a_toolkit_too_old_for_an_alongside_family_leaves_it_out_with_a_note(released_sm90):
+    sel = parse("9.0;9.0+PTX", cuda=(12, 2))
+    assert (targets(sel, "sm80"), targets(sel, "sm90")) == (["9.0+PTX"], [])
+    assert sel.notes == ["the sm90 kernels need CUDA 12.3 or newer; found CUDA 12.2: not built for 9.0"]
+    assert targets(parse("9.0", cuda=(12, 3)), "sm90") == ["9.0a"]
+
+
+def test_an_unreleased_alongside_family_gets_only_its_extra_targets():
+    assert not _families.get("sm90").released
+    sel = parse("8.0;9.0+PTX", cuda=(12, 9))
+    assert (targets(sel, "sm80"), targets(sel, "sm90"), sel.notes) == (["8.0", "9.0+PTX"], [], [])
+    sel = parse("9.0", cuda=(12, 9), extra={"sm90": "9.0"})
+    assert (targets(sel, "sm80"), targets(sel, "sm90")) == (["9.0"], ["9.0a"])
+
+
+@pytest.mark.parametrize("extra", ["9.0", "9.0+PTX", "9.0a", "Hopper"])
+def test_extra_targets_of_a_family_take_its_suffix(extra):
+    sel = parse("8.0", cuda=(12, 9), extra={"sm90": extra})
+    assert targets(sel, "sm90") == ["9.0a"] and targets(sel, "sm80") == ["8.0"]
+
+
+def test_extra_targets_a_family_cannot_build_are_refused():
+    with pytest.raises(ArchError, match=r"the sm90 kernels need CUDA 12\.3 or newer; found CUDA 12\.2"):
+        parse("9.0", cuda=(12, 2), extra={"sm90": "9.0"})  # (asked for: an error, not a note)
+    with pytest.raises(ArchError, match=r"'8\.0' of the sm90 family: its kernels are compiled for 9\.0a only"):
+        parse("8.0", cuda=(12, 9), extra={"sm90": "8.0"})
+
+
+def test_cmake_mode_prints_the_defines_and_the_extra_targets_with_their_suffix():
+    out = run_cmake_mode("9.0", "--cuda-version", "12.9", "--extra", "sm90=9.0")
+    assert 'set(CUTEFLASH_FAMILIES "sm80;sm90")' in out
+    assert 'set(CUTEFLASH_SM80_ARCHS "90-real")' in out and 'set(CUTEFLASH_SM90_ARCHS "90a-real")' in out
+    assert 'set(CUTEFLASH_SM90_TARGETS "9.0a")' in out and 'set(CUTEFLASH_SM80_DEFINES "")' in out
+    assert 'set(CUTEFLASH_SM90_DEFINES "NDEBUG;CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED")' in out
+    assert "set(CUTEFLASH_ARCH_NOTES)" in out
+
+
+def test_cmake_mode_prints_the_notes_as_a_list(released_sm90, capsys):
+    assert _arch.main(["--cmake", "9.0", "--cuda-version", "12.2"]) == 0
+    out = capsys.readouterr().out
+    note = "the sm90 kernels need CUDA 12.3 or newer, found CUDA 12.2: not built for 9.0"  # (a ';' would split it)
+    assert f"set(CUTEFLASH_ARCH_NOTES [=[{note}]=])" in out
+    assert 'set(CUTEFLASH_FAMILIES "sm80")' in out
 
 
 @pytest.mark.parametrize("cuda", [(11, 8), (12, 9), (13, 0)])

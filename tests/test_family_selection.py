@@ -1,10 +1,14 @@
-"""Which kernel family serves a GPU, and the errors when the build cannot serve it (torch's device
-queries are faked, so these run without a GPU)."""
+"""Which kernel family serves a GPU, which family computes a call (the registry's rule for a family that hands some
+calls to another), and the errors when the build cannot serve it (torch's device queries are faked, so these run
+without a GPU)."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from cuteflash import _lib
+from cuteflash import _families, _lib, _ops
+from cuteflash._families import Call
 
 
 @pytest.fixture
@@ -18,6 +22,7 @@ def fake_gpu(monkeypatch):
         runs_here = (lambda family: runs) if isinstance(runs, bool) else (lambda family: family in runs)
         monkeypatch.setattr(_lib, "_family_runs", lambda family, index: runs_here(family))
         monkeypatch.setattr(_lib, "_selected", {})
+        monkeypatch.setattr(_lib, "_delegated", {})
         monkeypatch.delenv(_lib.BACKEND_ENV, raising=False)
 
     return install
@@ -68,8 +73,8 @@ def test_backend_override(fake_gpu, monkeypatch):
     fake_gpu((9, 0), "NVIDIA H200", {"sm70": "7.5 9.0", "sm80": "9.0"})
     monkeypatch.setenv(_lib.BACKEND_ENV, "sm70")
     assert _lib.select_family(0) == "sm70"
-    monkeypatch.setenv(_lib.BACKEND_ENV, "sm90")
-    with pytest.raises(ValueError, match="CUTEFLASH_BACKEND='sm90'"):
+    monkeypatch.setenv(_lib.BACKEND_ENV, "sm60")
+    with pytest.raises(ValueError, match="CUTEFLASH_BACKEND='sm60'"):
         _lib.select_family(0)
 
 
@@ -78,3 +83,118 @@ def test_sm80_cannot_be_forced_on_turing(fake_gpu, monkeypatch):
     monkeypatch.setenv(_lib.BACKEND_ENV, "sm80")
     with pytest.raises(RuntimeError, match="need compute capability 8.0"):
         _lib.select_family(0)
+
+
+# ---- The registry's rule: which family computes a call (_families.takes, computing_family, _lib.call_family).
+
+# A build's kernels as the rule reads them (_lib.compiled_kernels): sm90's forward at head dims 64 and 128 in fp16 and
+# at 128 in bf16; sm80's forward and backward at every one of those.
+KERNELS = frozenset(
+    [("sm90", "fwd", "fp16", 64), ("sm90", "fwd", "fp16", 128), ("sm90", "fwd", "bf16", 128)]
+    + [("sm80", d, t, hd) for d in ("fwd", "bwd") for t in ("fp16", "bf16") for hd in (64, 128)]
+)
+PLAIN = Call("fwd", "fp16", 128)
+
+
+@pytest.mark.parametrize(
+    "call,family",
+    [
+        (PLAIN, "sm90"),
+        (Call("fwd", "bf16", 128), "sm90"),
+        (Call("fwd", "fp16", 64), "sm90"),
+        (Call("bwd", "fp16", 128), "sm80"),  # sm90 has no backward: sm80's reads its out and lse
+        (Call("fwd", "fp16", 128, varlen=True), "sm80"),
+        (Call("fwd", "fp16", 128, options=True), "sm80"),
+        (Call("fwd", "fp16", 128, cache=True), "sm80"),
+        (Call("fwd", "bf16", 64), "sm80"),  # no sm90 kernel of that dtype and head dim in this build
+        (Call("fwd", "fp16", 256), "sm80"),
+        (Call("fwd", "fp16", None), "sm80"),  # above the largest kernel head dim: sm80's error names it
+        (Call("fwd", None, None, options=True), "sm80"),  # the dropout mask
+    ],
+)
+def test_the_rule_sends_what_sm90_lacks_to_sm80(call, family):
+    assert _families.computing_family("sm90", call, KERNELS) == family
+    assert _families.takes(_families.get("sm90"), call, KERNELS) == (family == "sm90")
+
+
+def test_a_family_without_a_delegate_takes_every_call():
+    for name in ("sm70", "sm75", "sm80"):
+        assert _families.get(name).delegate is None
+        for call in (PLAIN, Call("bwd", "bf16", 256, varlen=True, options=True, cache=True), Call("fwd", None, None)):
+            assert _families.computing_family(name, call, frozenset()) == name
+
+
+def test_every_delegate_is_a_family_that_takes_every_call():
+    for family in _families.FAMILIES:
+        if family.delegate is not None:
+            delegate = _families.get(family.delegate)
+            assert delegate.delegate is None and set(family.directions) <= set(delegate.directions)
+            assert delegate.serves(family.cc_min) and set(family.dtypes) <= set(delegate.dtypes)
+
+
+def test_options_are_what_the_general_kernels_compute():
+    assert not _ops._has_options(_ops.NO_OPTIONS) and not _ops._has_options(_ops.Options(-1, -1, 0.0))
+    for options in (
+        _ops.Options(window_left=0),
+        _ops.Options(window_right=128),
+        _ops.Options(softcap=30.0),
+        _ops.Options(alibi_slopes=torch.ones(4)),
+        _ops.Options(dropout_p=0.1),
+    ):
+        assert _ops._has_options(options), options
+
+
+@pytest.fixture
+def hopper_build(fake_gpu, monkeypatch):
+    """An H200 whose build holds sm80 for 9.0 and sm90 for 9.0a (KERNELS); sm80's code runs only where runs_sm80."""
+
+    def install(runs_sm80=True, families=None):
+        runs = {"sm90", "sm80"} if runs_sm80 else {"sm90"}
+        fake_gpu((9, 0), "NVIDIA H200", families or {"sm80": "9.0", "sm90": "9.0a"}, runs=runs)
+        monkeypatch.setattr(_lib, "compiled_kernels", lambda: KERNELS)
+
+    return install
+
+
+def test_auto_never_takes_an_unreleased_family(hopper_build):
+    assert not _families.get("sm90").released
+    hopper_build()
+    assert _lib.select_family(0) == "sm80"
+    assert _lib.call_family(0, PLAIN) == "sm80"
+
+
+def test_forced_sm90_computes_its_calls_and_hands_the_others_to_sm80(hopper_build, monkeypatch):
+    hopper_build()
+    monkeypatch.setenv(_lib.BACKEND_ENV, "sm90")
+    assert _lib.select_family(0) == "sm90"
+    assert _lib.call_family(0, PLAIN) == "sm90"
+    for call in (Call("bwd", "fp16", 128), Call("fwd", "fp16", 128, varlen=True), Call("fwd", "fp16", 96)):
+        assert _lib.call_family(0, call) == "sm80"
+
+
+def test_released_sm90_is_auto_on_hopper(hopper_build, monkeypatch):
+    released = tuple(dataclasses.replace(f, released=True) for f in _families.FAMILIES)
+    monkeypatch.setattr(_families, "FAMILIES", released)
+    hopper_build()
+    assert _lib.call_family(0, PLAIN) == "sm90"
+    assert _lib.call_family(0, Call("fwd", "fp16", 128, cache=True)) == "sm80"
+
+
+def test_the_delegate_must_be_compiled_and_run_here(hopper_build, monkeypatch):
+    hopper_build(families={"sm90": "9.0a"})
+    monkeypatch.setenv(_lib.BACKEND_ENV, "sm90")
+    assert _lib.call_family(0, PLAIN) == "sm90"
+    with pytest.raises(RuntimeError, match=r"no sm80 kernels.*TORCH_CUDA_ARCH_LIST='9\.0'"):
+        _lib.call_family(0, Call("bwd", "fp16", 128))
+    hopper_build(runs_sm80=False, families={"sm80": "8.0", "sm90": "9.0a"})
+    monkeypatch.setenv(_lib.BACKEND_ENV, "sm90")
+    with pytest.raises(RuntimeError, match=r"sm80 kernels were compiled for 8\.0, which cannot run on NVIDIA H200"):
+        _lib.call_family(0, Call("fwd", "fp16", 128, options=True))
+
+
+def test_a_plan_keeps_its_family(hopper_build):
+    # (a plan's backward starts from the family of its forward, whatever CUTEFLASH_BACKEND says now)
+    hopper_build()
+    assert _lib.call_family(0, Call("bwd", "fp16", 128), "sm90") == "sm80"
+    assert _lib.call_family(0, PLAIN, "sm90") == "sm90"
+    assert _lib.call_family(0, PLAIN) == "sm80"

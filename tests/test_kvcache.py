@@ -260,12 +260,16 @@ def test_tiled_split_counts(causal, window, softcap, alibi, page, head_dim, requ
 def test_decoding_up_to_16_rows(causal, window, softcap, alibi, shape, head_dim, require_head_dim, assert_close_2x):
     """The decoding kernel computes these calls and gives the reference's out and lse (2x rule) at each split count,
     the same bits on a second run, and over a paged cache the same bits as over the contiguous one."""
-    from cuteflash._lib import compiled_module, select_family
+    from cuteflash._families import Call
+    from cuteflash._lib import call_family, compiled_module, kernel_head_dim
 
     require_head_dim(head_dim)
     seqlen_q, nheads, nheads_k = shape
     batch, rows = 2, 1024
-    family = select_family(torch.device("cuda"))
+    # (the family that computes these calls: the registry's rule)
+    has_options = window != (-1, -1) or softcap > 0 or alibi
+    call = Call("fwd", "fp16", kernel_head_dim(head_dim), options=has_options, cache=True)
+    family = call_family(torch.device("cuda"), call)
     plan = compiled_module().fwd_plan
     assert plan(family, batch, nheads, nheads_k, seqlen_q, rows, head_dim, False, False, True, 0)[0], (
         f"{family}: the tiled kernels run"

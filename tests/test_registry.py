@@ -34,6 +34,9 @@ def test_entries_are_consistent():
         assert set(family.directions) <= set(_families.DIRECTIONS) and family.directions
         assert family.cc_max is None or family.cc_max >= family.cc_min
         assert set(family.build_seconds) == {*family.directions, "decode"}
+        assert family.arch_suffix in ("", "a", "f") and set(family.features) <= set(_families.FEATURES)
+        # a family beside another hands it the calls it lacks
+        assert family.delegate in (None, *_families.NAMES) and (not family.alongside or family.delegate)
 
 
 @pytest.mark.parametrize(
@@ -59,7 +62,7 @@ def test_a_family_still_being_built_serves_only_where_asked(monkeypatch):
         sel = _arch.parse(";".join(served), (12, 9))  # (a target no released family serves is refused)
         assert not sel.targets[name]
         sel = _arch.parse(served[-1], (12, 9), {name: served[-1]})
-        assert [str(t) for t in sel.targets[name]] == [served[-1]]
+        assert [str(t) for t in sel.targets[name]] == [served[-1] + _families.get(name).arch_suffix]
 
 
 def _python_code_names(path: Path, pattern: re.Pattern) -> list[str]:

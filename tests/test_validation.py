@@ -211,7 +211,7 @@ def test_backward_workspace_rule():
     # 2 x 3 (batch, head) regions of 256 rows (200 rounded up to 128s) of the 64 kernel (head dim 40), then a count
     # per (batch, head); none for a deterministic pass, whose dQ kernel also needs D in its own buffer. D may live in
     # dq's memory where the family says so (FamilyTraits::kRowsumInDq). (dq_accum_floats, d_rowsum_in_dq)
-    rowsum_in_dq = {"sm70": False, "sm75": False, "sm80": True}
+    rowsum_in_dq = {"sm70": False, "sm75": False, "sm80": True, "sm90": True}
     for family in _lib.build_info()["families"]:  # (the rule of the families this build holds; others raise)
         assert ws(family=family, head_dim=40, batch=2, nheads=3, seqlen_q=200, deterministic=False) == (
             2 * 3 * (256 * 64 + 1),

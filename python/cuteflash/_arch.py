@@ -105,6 +105,9 @@ class Target:
 @dataclass
 class Selection:
     targets: dict[str, list[Target]] = field(default_factory=lambda: {f: [] for f in FAMILIES})
+    # What the build leaves out without failing, for CMake to show: a family beside another (alongside) that the
+    # toolkit cannot build.
+    notes: list[str] = field(default_factory=list)
 
     def add(self, target: Target, family: str | None = None) -> None:
         family = family or target.family
@@ -118,8 +121,9 @@ class Selection:
 
 
 def family_of(cc: int) -> str:
-    """The family whose kernels a target of compute capability cc gets (_families.serving's first)."""
-    serving = _families.serving(cc)
+    """The family whose kernels a target of compute capability cc gets (_families.serving's first that does not come
+    alongside another)."""
+    serving = [f for f in _families.serving(cc) if not f.alongside]
     if not serving:
         raise ArchError(
             f"compute capability {_families.cc_text(cc)} is not supported: cuteflash needs Volta "
@@ -186,15 +190,51 @@ def check_toolkit(target: Target, cuda: tuple[int, int] | None) -> None:
         raise ArchError(f"family-specific target {target} needs CUDA 12.9 or newer; found CUDA {v}")
 
 
-def check_family_toolkit(family: str, cuda: tuple[int, int] | None) -> None:
-    """Raises where the toolkit cannot build the family's code (_families.Family.cuda_min, cuda_max)."""
+def family_toolkit_problem(family: str, cuda: tuple[int, int] | None) -> str | None:
+    """Why the toolkit cannot build the family's code (_families.Family.cuda_min, cuda_max), or None where it can
+    (or its version is not known)."""
     f = _families.get(family)
-    if cuda is None:
-        return
-    if cuda < f.cuda_min or (f.cuda_max is not None and cuda > f.cuda_max):
-        upper = f" to {_version_text(f.cuda_max)}" if f.cuda_max else " or newer"
-        needs = f"CUDA {_version_text(f.cuda_min)}{upper}"
-        raise ArchError(f"the {family} kernels need {needs}; found CUDA {_version_text(cuda)}")
+    if cuda is None or (f.cuda_min <= cuda and (f.cuda_max is None or cuda <= f.cuda_max)):
+        return None
+    upper = f" to {_version_text(f.cuda_max)}" if f.cuda_max else " or newer"
+    return f"the {family} kernels need CUDA {_version_text(f.cuda_min)}{upper}; found CUDA {_version_text(cuda)}"
+
+
+def check_family_toolkit(family: str, cuda: tuple[int, int] | None) -> None:
+    """Raises where the toolkit cannot build the family's code."""
+    problem = family_toolkit_problem(family, cuda)
+    if problem is not None:
+        raise ArchError(problem)
+
+
+def add_alongside(sel: Selection, target: Target, cuda: tuple[int, int] | None) -> None:
+    """Gives each released family that comes alongside another and serves target's GPU its own target there (X.Y and
+    its arch_suffix, machine code), or, where the toolkit cannot build the family, a note in its place."""
+    for f in _families.serving(target.cc):
+        if not f.alongside:
+            continue
+        problem = family_toolkit_problem(f.name, cuda)
+        if problem is None:
+            sel.add(Target(target.cc, f.arch_suffix), f.name)
+        else:
+            note = f"{problem}: not built for {_families.cc_text(target.cc)}"
+            if note not in sel.notes:
+                sel.notes.append(note)
+
+
+def extra_target(family: str, entry: str) -> Target:
+    """A developer's extra target for a family: a family with an arch_suffix is built for X.Y + suffix only (machine
+    code), and only for the compute capabilities it serves (no other GPU runs that code)."""
+    target = parse_entry(entry)
+    f = _families.get(family)
+    if not f.arch_suffix:
+        return target
+    if not f.serves(target.cc):
+        served = _families.cc_text(f.cc_min) if f.cc_max == f.cc_min else f"{_families.cc_text(f.cc_min)}+"
+        raise ArchError(
+            f"extra target {entry!r} of the {family} family: its kernels are compiled for {served}{f.arch_suffix} only"
+        )
+    return Target(target.cc, f.arch_suffix)
 
 
 def _version_text(version: tuple[int, int]) -> str:
@@ -221,13 +261,15 @@ def parse(
         target = parse_entry(entry)
         check_toolkit(target, cuda)
         sel.add(target)
+        add_alongside(sel, target, cuda)
     for family, extra_list in (extra or {}).items():
         if family not in FAMILIES:
             raise ArchError(f"unknown kernel family {family!r}; families are {', '.join(FAMILIES)}")
         for entry in expand_names(extra_list):
-            target = parse_entry(entry)
+            target = extra_target(family, entry)
             check_toolkit(target, cuda)
             sel.add(target, family)
+    # (a family with targets the toolkit cannot build is an error: its extra targets were asked for)
     for family, targets in sel.targets.items():
         if targets:
             check_family_toolkit(family, cuda)
@@ -276,12 +318,15 @@ def _cmake_main(args: argparse.Namespace) -> int:
         print(f"set(CUTEFLASH_ARCH_ERROR [=[{e}]=])")
         return 0
     print(f"set(CUTEFLASH_ARCH_SOURCE [=[{source}: {arch_list}]=])")
+    notes = "".join(f" [=[{note}]=]" for note in (n.replace(";", ",") for n in sel.notes))  # (a list: ';' would split)
+    print(f"set(CUTEFLASH_ARCH_NOTES{notes})")
     print(f'set(CUTEFLASH_FAMILIES "{";".join(f for f in FAMILIES if sel.targets[f])}")')
     for family in FAMILIES:
         targets = sel.targets[family]
         items = [item for t in targets for item in t.cmake()]
         print(f'set(CUTEFLASH_{family.upper()}_ARCHS "{";".join(items)}")')
         print(f'set(CUTEFLASH_{family.upper()}_TARGETS "{" ".join(str(t) for t in targets)}")')
+        print(f'set(CUTEFLASH_{family.upper()}_DEFINES "{";".join(_families.get(family).defines)}")')
         for kind, seconds in _families.get(family).build_seconds.items():
             print(f"set(CUTEFLASH_{family.upper()}_SECONDS_{kind.upper()} {seconds})")
     return 0
@@ -315,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for family in FAMILIES:
         print(f"{family}: {' '.join(str(t) for t in sel.targets[family]) or '-'}")
+    for note in sel.notes:
+        print(f"note: {note}")
     return 0
 
 

@@ -7,15 +7,17 @@ compiled only for its own targets. Everything that must know the families reads 
   build them), CMakeLists.txt (through ``_arch.py --cmake``: one kernel library per family, its build-time
   estimate) and ``src/kernels/generate.py`` (one source per family, direction, dtype and head dim; the dispatch
   table and the registry the binding reads, ``host/registry.h``);
-- run time: ``_lib.select_family`` (the family for a device), ``_ops`` (dtypes, fp16 correction), the benchmark and
-  ``cuteflash.info``.
+- run time: ``_lib.select_family`` (the family for a device), ``_lib.call_family`` (the family that computes a call:
+  ``computing_family``, the rule for a family that hands some calls to another), ``_ops`` (dtypes, fp16 correction),
+  the benchmark and ``cuteflash.info``.
 
 It needs nothing but the standard library: CMake runs it inside an isolated build environment.
 
 What a family's folder provides (the generated sources include these by name):
 
-- ``fwd_launch.cuh``, ``bwd_launch.cuh``, ``decode_launch.cuh``: ``<name>::run_fwd``, ``run_bwd`` and
-  ``run_decode``, each ``template <typename Element, int kHeadDim> void (Params const&, cudaStream_t)``;
+- ``fwd_launch.cuh``, ``bwd_launch.cuh`` (of the directions it has), ``decode_launch.cuh``: ``<name>::run_fwd``,
+  ``run_bwd`` and ``run_decode``, each ``template <typename Element, int kHeadDim> void (Params const&,
+  cudaStream_t)``;
 - ``tiles.h``: its tile table and ``<name>::FamilyTraits``, host-safe constants the host plans with
   (``kDecode``, ``kRowsumInDq``, ``split_tile``).
 """
@@ -23,13 +25,18 @@ What a family's folder provides (the generated sources include these by name):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+# What a call may use beyond a plain one (a fixed-length batch without options or cache): a variable-length batch
+# (cu_seqlens), options (a sliding window, softcap, ALiBi or dropout), a KV cache (read, paged, or appended to).
+FEATURES = ("varlen", "options", "cache")
 
 
 @dataclass(frozen=True)
 class Family:
     name: str
     # The compute capabilities (70 for 7.0) the family serves, inclusive; cc_max None: every newer one. Where several
-    # families serve a GPU, the one with the highest cc_min is chosen.
+    # families serve a GPU, the one with the highest cc_min is preferred (and gets its targets, unless alongside).
     cc_min: int
     cc_max: int | None
     dtypes: tuple[str, ...]
@@ -49,6 +56,21 @@ class Family:
     # False for a family still being built: TORCH_CUDA_ARCH_LIST gives it no target (only its
     # CUTEFLASH_<NAME>_EXTRA_ARCHS do) and CUTEFLASH_BACKEND=auto never takes it; CUTEFLASH_BACKEND=<name> runs it.
     released: bool = True
+    # Every target of the family is built as X.Y + arch_suffix, machine code only, never PTX: "a" for code of one
+    # architecture's own instructions (sm_90a: wgmma, setmaxnreg), which no other GPU runs and no driver JIT-compiles.
+    arch_suffix: str = ""
+    # The family takes its GPUs' targets beside the family that otherwise serves them, rather than taking them away
+    # (TORCH_CUDA_ARCH_LIST=9.0: sm80 for 9.0 and sm90 for 9.0a): that family computes the calls this one does not
+    # (delegate), and serves the GPU where the toolkit cannot build this one.
+    alongside: bool = False
+    # Compile definitions of the family's kernel library.
+    defines: tuple[str, ...] = ()
+    # The family that computes the calls this one does not take (takes); None: this family computes every call of
+    # its directions itself.
+    delegate: str | None = None
+    # What a call may use (FEATURES) and still be computed by this family rather than by its delegate (read only where
+    # it has one).
+    features: tuple[str, ...] = FEATURES
 
     def serves(self, cc: int) -> bool:
         return self.cc_min <= cc and (self.cc_max is None or cc <= self.cc_max)
@@ -91,6 +113,26 @@ FAMILIES: tuple[Family, ...] = (
         build_seconds={"fwd": 125, "bwd": 250, "decode": 4},  # (the sm80 family's: the same kernels)
         summary="Turing: ldmatrix and mma.m16n8k8 (the sm80 family's kernels with Turing's atoms)",
     ),
+    Family(
+        name="sm90",
+        cc_min=90,
+        cc_max=90,
+        dtypes=("fp16", "bf16"),
+        directions=("fwd",),
+        cuda_min=(12, 3),
+        cuda_max=None,
+        fp16_correction=False,
+        build_seconds={"fwd": 150, "decode": 10},  # (an estimate, not measured: the sm80 family's and a margin)
+        summary="Hopper: TMA, wgmma and warp specialisation (sm_90a)",
+        released=False,
+        arch_suffix="a",
+        alongside=True,
+        # NDEBUG: CUTLASS's and CuTe's run-time assert()s stay out of the kernels. The extended shapes: a wgmma of any
+        # N that is a multiple of 8 (the tiles' 112 and 80 keys), where CuTe otherwise takes several narrower ones.
+        defines=("NDEBUG", "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"),
+        delegate="sm80",  # (whose lse and out are laid out alike: its backward takes this family's forward)
+        features=(),
+    ),
 )
 
 NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
@@ -114,3 +156,39 @@ def cc_text(cc: int) -> str:
 def serving(cc: int) -> list[Family]:
     """The released families that serve compute capability cc (70 for 7.0), preferred first."""
     return sorted((f for f in FAMILIES if f.released and f.serves(cc)), key=lambda f: -f.cc_min)
+
+
+class Call(NamedTuple):
+    """What the rule (takes) reads of a kernel call. dtype and head_dim None: a call of no one kernel (the dropout
+    mask that return_attn_probs draws), which a family with a delegate leaves to it."""
+
+    direction: str  # "fwd" (the decoding kernel and the cache append included) or "bwd"
+    dtype: str | None  # "fp16" or "bf16"
+    head_dim: int | None  # the kernel head dim that computes it (_lib.kernel_head_dim); None above the largest
+    varlen: bool = False  # a variable-length batch (cu_seqlens)
+    options: bool = False  # a sliding window, softcap, ALiBi or dropout
+    cache: bool = False  # reads a KV cache (paged or not), or appends to one
+
+
+def takes(family: Family, call: Call, compiled_kernels) -> bool:
+    """Whether family computes call itself rather than hand it to its delegate: always for a family without one;
+    else where the family has the call's direction, computes every feature the call uses (features), and its
+    kernel of that direction, dtype and head dim is compiled in. compiled_kernels: the build's (family, direction,
+    dtype, head dim) of each compiled kernel, in the registry's names (fp16, bf16)."""
+    if family.delegate is None:
+        return True
+    used = {name for name, on in zip(FEATURES, (call.varlen, call.options, call.cache)) if on}
+    return (
+        call.direction in family.directions
+        and used <= set(family.features)
+        and (family.name, call.direction, call.dtype, call.head_dim) in compiled_kernels
+    )
+
+
+def computing_family(name: str, call: Call, compiled_kernels) -> str:
+    """The family that computes call where family `name` was chosen for the device: that one where it takes the call,
+    else, in turn, the family it delegates to (takes)."""
+    family = get(name)
+    while not takes(family, call, compiled_kernels):
+        family = get(family.delegate)
+    return family.name

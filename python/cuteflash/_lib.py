@@ -84,17 +84,20 @@ def select_family(device) -> str:
     capability among those compiled in for it, or the one that ``CUTEFLASH_BACKEND`` (auto or a family's name) forces.
     Raises if it cannot run there.
     Called on every kernel launch, so the answer is cached per (device, CUTEFLASH_BACKEND)."""
-    if isinstance(device, torch.device):
-        index = device.index
-    else:
-        index = device if isinstance(device, int) else torch.device(device).index
-    if index is None:
-        index = torch.cuda.current_device()
-    key = (index, os.environ.get(BACKEND_ENV, "auto") or "auto")
+    key = (_device_index(device), os.environ.get(BACKEND_ENV, "auto") or "auto")
     family = _selected.get(key)
     if family is None:
         family = _selected[key] = _select_family(*key)
     return family
+
+
+def _device_index(device) -> int:
+    """The index of a CUDA device given as a torch.device, an index or a name (the current one where it has none)."""
+    if isinstance(device, torch.device):
+        index = device.index
+    else:
+        index = device if isinstance(device, int) else torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
 
 
 def _select_family(index: int, forced: str) -> str:
@@ -124,6 +127,13 @@ def _select_family(index: int, forced: str) -> str:
                 f"{_cc_text(cc)}"
             )
 
+    _require_runs(family, index, cc, name)
+    return family
+
+
+def _require_runs(family: str, index: int, cc: tuple[int, int], name: str) -> None:
+    """Raises where the build has no code of family that runs on device index (name, compute capability cc)."""
+    families = build_info()["families"]
     if family not in families:
         compiled = ", ".join(families) or "none"
         raise RuntimeError(
@@ -136,7 +146,36 @@ def _select_family(index: int, forced: str) -> str:
             f"cuteflash's {family} kernels were compiled for {targets}, which cannot run on {name} "
             f"(compute capability {_cc_text(cc)}); {_rebuild_hint(cc)}"
         )
-    return family
+
+
+@functools.cache
+def compiled_kernels() -> frozenset:
+    """(family, direction, dtype, kernel head dim) of each compiled kernel, dtypes in the registry's names (fp16,
+    bf16): what the registry's rule reads (_families.takes)."""
+    names = {str(dtype).removeprefix("torch."): code for dtype, code in _DTYPE_NAMES.items()}  # float16: fp16
+    return frozenset((k["family"], k["direction"], names[k["dtype"]], k["head_dim"]) for k in build_info()["kernels"])
+
+
+_delegated: dict = {}
+
+
+def call_family(device, call: _families.Call, family: str | None = None) -> str:
+    """The family that computes call on a CUDA device: `family` (default: select_family's), or where that one hands
+    the call on (the registry's rule, _families.computing_family), the family it goes to, checked as select_family
+    checks its own. Cached per (device, family, call)."""
+    family = family or select_family(device)
+    if _families.get(family).delegate is None:
+        return family
+    index = _device_index(device)
+    key = (index, family, call)
+    computing = _delegated.get(key)
+    if computing is None:
+        computing = _families.computing_family(family, call, compiled_kernels())
+        if computing != family:
+            cc = torch.cuda.get_device_capability(index)
+            _require_runs(computing, index, cc, torch.cuda.get_device_name(index))
+        _delegated[key] = computing
+    return computing
 
 
 # The registry's names of the dtypes the kernels take.

@@ -14,7 +14,16 @@ from typing import NamedTuple
 import torch
 
 from . import _families
-from ._lib import BACKEND_ENV, build_info, check_dtype, compiled_module, dtype_supported, select_family
+from ._lib import (
+    _DTYPE_NAMES,
+    BACKEND_ENV,
+    build_info,
+    call_family,
+    check_dtype,
+    compiled_module,
+    dtype_supported,
+    kernel_head_dim,
+)
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 SM70_CORRECTION_ENV = "CUTEFLASH_SM70_CORRECTION"
@@ -175,6 +184,29 @@ class Options(NamedTuple):
 
 
 NO_OPTIONS = Options()
+
+
+def _has_options(options: Options) -> bool:
+    """Whether a call sets an option: what only the general kernel variants compute (host/launch.h's needs_general,
+    which also counts a KV cache)."""
+    return options is not NO_OPTIONS and (
+        options.window_left >= 0
+        or options.window_right >= 0
+        or options.softcap > 0
+        or options.alibi_slopes is not None
+        or options.dropout_p > 0
+    )
+
+
+def _family_for(
+    direction: str, q: torch.Tensor, varlen: bool, options: Options, cache: bool = False, family: str | None = None
+) -> str:
+    """The kernel family that computes a call on q (head dim a multiple of 8) on its device: the device's family (or
+    `family`), or the one it hands the call to (the registry's rule, _families.takes)."""
+    call = _families.Call(
+        direction, _DTYPE_NAMES.get(q.dtype), kernel_head_dim(q.shape[-1]), varlen, _has_options(options), cache
+    )
+    return call_family(q.device, call, family)
 
 
 def draw_rng_state(device: torch.device) -> torch.Tensor:
@@ -363,7 +395,7 @@ def fwd_impl(
     cache, k and v are the caches (read in place: the caller checks their layout). num_splits: flash-attn's
     (0: chosen from the GPU's size; 1: none), for KV-cache calls (the decoding kernel splits flash_attn_func's
     decoding shapes too)."""
-    family = select_family(q.device)
+    family = _family_for("fwd", q, varlen is not None, options, cache is not None)
     check_dtype(family, q.dtype)
     q = _kernel_operand(q)
     if cache is None:
@@ -417,7 +449,7 @@ def append_kv(k_cache, v_cache, k, v, cache: Cache) -> None:
     _launch(
         k.device,
         compiled_module().append_kv,
-        select_family(k.device),
+        _family_for("fwd", k, False, NO_OPTIONS, cache=True),
         _DTYPE_CODES[k.dtype],
         _operand(k),
         _operand(v),
@@ -499,7 +531,7 @@ def bwd_into(
     """Attention backward into dq, dk, dv (shaped like q, k, v; views of a packed gradient are written in
     place). With deterministic, dQ comes from a second kernel instead of fp32 atomics: bitwise
     reproducible, and slower."""
-    family = select_family(q.device)
+    family = _family_for("bwd", q, varlen is not None, options)
     if "bwd" not in _families.get(family).directions:  # a family still being built (CUTEFLASH_BACKEND forces it)
         raise NotImplementedError(
             f"cuteflash: the {family} kernels have no backward pass yet; detach the inputs, or leave "
@@ -742,7 +774,7 @@ def plan_forward(
         or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % VECTOR_BYTES
     ):
         return None
-    family = select_family(q.device)
+    family = _family_for("fwd", q, varlen is not None, options, cache is not None)
     if not dtype_supported(family, q.dtype):
         return None
     batch, seqlen_q, nheads = sizes = _sizes(q, varlen)
@@ -832,8 +864,10 @@ def _bwd_plan(plan: FwdPlan, dout: torch.Tensor, q, k, v) -> BwdPlan | bool:
     key = dout.stride()
     bwd = plan.bwd.get(key)
     if bwd is None:
-        problem = plan.problem
-        family, batch, nheads, seqlen_q = problem.family, problem.batch, problem.nheads, problem.seqlen_q
+        # (the family that computes the backward pass, which may not be the forward's: the registry's rule)
+        family = _family_for("bwd", q, plan.varlen, Options(*plan.options[:3]), family=plan.problem.family)
+        problem = plan.problem._replace(family=family, fp16_correction=_fp16_correction(family))
+        batch, nheads, seqlen_q = problem.batch, problem.nheads, problem.seqlen_q
         bwd = False
         if readable_strides(key, dout.element_size()) and "bwd" in build_info()["families"][family]["directions"]:
             dq_accum_floats, d_rowsum_in_dq = compiled_module().bwd_workspace(
@@ -1035,7 +1069,8 @@ def dropout_mask(
     keep = torch.empty(
         (batch, nheads, _round128(seqlen_q), _round128(seqlen_k)), dtype=torch.uint8, device=rng_state.device
     )
-    family = select_family(rng_state.device)
+    # (the family that computes the call's forward pass: one with dropout, of no particular dtype or head dim)
+    family = call_family(rng_state.device, _families.Call("fwd", None, None, cu_seqlens_q is not None, options=True))
     _launch(
         rng_state.device,
         compiled_module().dropout_mask,

@@ -225,8 +225,9 @@ def _plan_key(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, so
     """The signature of an eager call on separate q, k, v tensors (of a fixed- or variable-length batch) without
     dropout, ALiBi or return_attn_probs, or None for another call. It holds what the checks, the padding and the
     kernel's plan read (shapes, strides, dtypes, devices, the scalar arguments with their types, the environment that
-    picks the kernel family), so that a call with the key of one that passed them passes them too; the tensors'
-    addresses are checked per call (_ops.run_planned). It may hold an argument that cannot be hashed."""
+    picks the kernel family; so also what the registry's rule for the family of a call reads, _families.takes), so
+    that a call with the key of one that passed them passes them too; the tensors' addresses are checked per call
+    (_ops.run_planned). It may hold an argument that cannot be hashed."""
     if (
         alibi_slopes is not None
         or return_attn_probs
