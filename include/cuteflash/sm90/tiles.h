@@ -24,12 +24,14 @@ struct Sm90FwdTile {
 };
 
 // The keys per step shrink as the head dim grows, so that S (block_n / 2 fp32 registers a consumer thread), P (block_n
-// / 4) and O (head_dim / 2) fit a consumer's registers, and Q, K and V the shared memory. Up to head dim 96, three
-// consumer warpgroups (192 rows; 160 registers a thread) of 128 keys; above, two (128 rows; 240 registers): 176 keys
-// at 128 without a mask (212 KB), 128 causal (fewer keys beside the diagonal masked for nothing), 112 up to 192
-// (216 KB), 80 above (224 KB at 256).
+// / 4) and O (head_dim / 2) fit a consumer's registers, and Q, K and V the shared memory. Up to head dim 64, three
+// consumer warpgroups (192 rows; 160 registers a thread) of 128 keys; above, two (128 rows; 240 registers; at 96 three
+// leave ptxas too few registers to keep the products asynchronous): 128 keys up to 96, at 128 176 without a mask
+// (212 KB) and 128 causal (fewer keys beside the diagonal masked for nothing), 112 up to 192 (216 KB), 80 above
+// (224 KB at 256).
 constexpr Sm90FwdTile sm90_fwd_tile(int head_dim, bool causal) {
-  return head_dim <= 96    ? Sm90FwdTile{192, 128, 2}
+  return head_dim <= 64    ? Sm90FwdTile{192, 128, 2}
+         : head_dim <= 96  ? Sm90FwdTile{128, 128, 2}
          : head_dim <= 128 ? Sm90FwdTile{128, causal ? 128 : 176, 2}
          : head_dim <= 192 ? Sm90FwdTile{128, 112, 2}
                            : Sm90FwdTile{128, 80, 2};
