@@ -106,6 +106,7 @@ PLAIN = Call("fwd", "fp16", 128)
         (Call("fwd", "fp16", 128, varlen=True), "sm80"),
         (Call("fwd", "fp16", 128, options=True), "sm80"),
         (Call("fwd", "fp16", 128, cache=True), "sm80"),
+        (Call("fwd", "fp16", 128, broadcast=True), "sm80"),  # TMA takes no stride of 0
         (Call("fwd", "bf16", 64), "sm80"),  # no sm90 kernel of that dtype and head dim in this build
         (Call("fwd", "fp16", 256), "sm80"),
         (Call("fwd", "fp16", None), "sm80"),  # above the largest kernel head dim: sm80's error names it
@@ -130,6 +131,12 @@ def test_every_delegate_is_a_family_that_takes_every_call():
             delegate = _families.get(family.delegate)
             assert delegate.delegate is None and set(family.directions) <= set(delegate.directions)
             assert delegate.serves(family.cc_min) and set(family.dtypes) <= set(delegate.dtypes)
+
+
+def test_broadcast_operands_are_expanded_dimensions():
+    x = torch.zeros(2, 3, 4, 8)
+    assert not _ops._broadcast(x, x.transpose(1, 2), x[:1].expand(1, 3, 4, 8), x[:, :1])
+    assert _ops._broadcast(x[:, :, :1].expand(2, 3, 4, 8)) and _ops._broadcast(x, x[:1].expand(2, 3, 4, 8))
 
 
 def test_options_are_what_the_general_kernels_compute():

@@ -30,6 +30,14 @@ def test_gqa_mqa(seqlen_q, seqlen_k, nheads, nheads_k, causal, dtype, make_qkv, 
     run_and_check(*make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, 64, dtype), causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_expanded_keys_and_values(causal, make_qkv, run_and_check):
+    # k and v expanded over the heads and the batch: strides of 0, read in place (the sm90 family, whose TMA takes no
+    # such stride, hands them to the sm80 family).
+    q, k, v = make_qkv(2, 200, 300, 8, 1, 64, torch.float16)
+    run_and_check(q, k[:1].expand(2, -1, 8, -1), v[:1].expand(2, -1, 8, -1), causal)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_large_logits_stay_finite(head_dim, dtype, make_qkv, run_and_check):

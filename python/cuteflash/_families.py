@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 # What a call may use beyond a plain one (a fixed-length batch without options or cache): a variable-length batch
-# (cu_seqlens), options (a sliding window, softcap, ALiBi or dropout), a KV cache (read, paged, or appended to).
-FEATURES = ("varlen", "options", "cache")
+# (cu_seqlens), options (a sliding window, softcap, ALiBi or dropout), a KV cache (read, paged, or appended to), an
+# operand read in place with a stride of 0 over more than one element (an expanded tensor; TMA takes no such stride).
+FEATURES = ("varlen", "options", "cache", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ class Call(NamedTuple):
     varlen: bool = False  # a variable-length batch (cu_seqlens)
     options: bool = False  # a sliding window, softcap, ALiBi or dropout
     cache: bool = False  # reads a KV cache (paged or not), or appends to one
+    broadcast: bool = False  # an operand with a stride of 0 over a dimension of more than one element
 
 
 def takes(family: Family, call: Call, compiled_kernels) -> bool:
@@ -177,7 +179,7 @@ def takes(family: Family, call: Call, compiled_kernels) -> bool:
     dtype, head dim) of each compiled kernel, in the registry's names (fp16, bf16)."""
     if family.delegate is None:
         return True
-    used = {name for name, on in zip(FEATURES, (call.varlen, call.options, call.cache)) if on}
+    used = {name for name, on in zip(FEATURES, (call.varlen, call.options, call.cache, call.broadcast)) if on}
     return (
         call.direction in family.directions
         and used <= set(family.features)

@@ -198,13 +198,31 @@ def _has_options(options: Options) -> bool:
     )
 
 
+def _broadcast(*operands: torch.Tensor) -> bool:
+    """Whether an operand has a stride of 0 over a dimension of more than one element (an expanded tensor)."""
+    return any(0 in t.stride() and any(n > 1 and s == 0 for n, s in zip(t.shape, t.stride())) for t in operands)
+
+
 def _family_for(
-    direction: str, q: torch.Tensor, varlen: bool, options: Options, cache: bool = False, family: str | None = None
+    direction: str,
+    q: torch.Tensor,
+    varlen: bool,
+    options: Options,
+    cache: bool = False,
+    family: str | None = None,
+    operands: tuple[torch.Tensor, ...] = (),
 ) -> str:
     """The kernel family that computes a call on q (head dim a multiple of 8) on its device: the device's family (or
-    `family`), or the one it hands the call to (the registry's rule, _families.takes)."""
+    `family`), or the one it hands the call to (the registry's rule, _families.takes). operands: the tensors the
+    kernels read in place, for the rule's broadcast."""
     call = _families.Call(
-        direction, _DTYPE_NAMES.get(q.dtype), kernel_head_dim(q.shape[-1]), varlen, _has_options(options), cache
+        direction,
+        _DTYPE_NAMES.get(q.dtype),
+        kernel_head_dim(q.shape[-1]),
+        varlen,
+        _has_options(options),
+        cache,
+        _broadcast(*operands),
     )
     return call_family(q.device, call, family)
 
@@ -395,7 +413,7 @@ def fwd_impl(
     cache, k and v are the caches (read in place: the caller checks their layout). num_splits: flash-attn's
     (0: chosen from the GPU's size; 1: none), for KV-cache calls (the decoding kernel splits flash_attn_func's
     decoding shapes too)."""
-    family = _family_for("fwd", q, varlen is not None, options, cache is not None)
+    family = _family_for("fwd", q, varlen is not None, options, cache is not None, operands=(q, k, v))
     check_dtype(family, q.dtype)
     q = _kernel_operand(q)
     if cache is None:
@@ -774,7 +792,7 @@ def plan_forward(
         or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % VECTOR_BYTES
     ):
         return None
-    family = _family_for("fwd", q, varlen is not None, options, cache is not None)
+    family = _family_for("fwd", q, varlen is not None, options, cache is not None, operands=(q, k, v))
     if not dtype_supported(family, q.dtype):
         return None
     batch, seqlen_q, nheads = sizes = _sizes(q, varlen)
