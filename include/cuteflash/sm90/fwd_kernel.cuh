@@ -240,7 +240,7 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     Tensor s = make_tensor(acc_s.data(), acc_rowcol_gmma(acc_s.layout()));  // (rows, cols)
     Tensor rP = make_fragment_like<Element>(acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand_gmma(rP.layout()));  // (MMA, MMA_M, MMA_K)
-    auto scores = [&](int n_block, auto masked) __attribute__((always_inline)) {
+    auto mask_scores = [&](int n_block, auto masked) __attribute__((always_inline)) {
       if constexpr (decltype(masked)::value) {
         apply_mask(s, cS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy<Variant::kFixed>(p, seq));
       }
@@ -258,7 +258,7 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     gmma<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, ring_k.stage), acc_s);
     release(smem.k_empty, ring_k);
     if (n_block >= keys.unmasked_end) {
-      scores(n_block, cute::true_type{});
+      mask_scores(n_block, cute::true_type{});
     }
     float alpha[kRows];
     softmax.update_scores(s, p.softmax_scale_log2, alpha);  // O is 0 still: no rescale
@@ -274,7 +274,7 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
       warpgroup_wait<1>();  // S is done
       warpgroup_fence_operand(acc_s);
       release(smem.k_empty, ring_k);
-      scores(n_block, masked);
+      mask_scores(n_block, masked);
       float alpha[kRows];
       softmax.update_scores(s, p.softmax_scale_log2, alpha);
       warpgroup_wait<0>();  // P V is done
