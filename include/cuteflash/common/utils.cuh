@@ -106,6 +106,19 @@ __device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& s
   return dst;
 }
 
+// The same into dst, a fragment of src's layout: register for register (a copy between fragments whose layouts
+// differ would repack the 16-bit halves).
+template <typename SrcEngine, typename DstEngine, typename Layout>
+__device__ __forceinline__ void convert_fragment_into(Tensor<SrcEngine, Layout> const& src,
+                                                      Tensor<DstEngine, Layout>& dst) {
+  using From = typename SrcEngine::value_type;
+  using To = typename DstEngine::value_type;
+  constexpr int N = decltype(size(src))::value;
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
+}
+
 // The rows of one (batch, head) of a (batch, seqlen, nheads, head_dim) tensor, kRows at a time: block(i)
 // is the (kRows, kHeadDim) tile of rows [i * kRows, (i + 1) * kRows). Offsets inside a tile are 32-bit
 // (api.cpp keeps row strides below 2^24), so a thread's copy addresses all derive from one 64-bit pointer

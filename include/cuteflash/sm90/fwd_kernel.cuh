@@ -207,8 +207,8 @@ __device__ __forceinline__ void store_output(FwdParams const& p, Sequence const&
 
 // A consumer warpgroup's thread (tid: its index among the consumers): the key loop over the blocks the producer loads,
 // from the last down, the masked ones first. The product P V of a block runs while the softmax of the next block's
-// scores does: each step issues S = Q K^T of its block and O += P V of the block before, takes the softmax of S once
-// the first is done, and rescales O once the second is.
+// scores does: each step waits for the P V before it, converts the block before's P to 16 bits, issues S = Q K^T of its
+// block, rescales O, issues O += P V, and takes the softmax of S once Q K^T is done.
 template <typename Traits>
 __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits::SharedStorage& smem,
                                              Sequence const& seq, int head, int m_block, BlockRange const& keys,
@@ -238,7 +238,7 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     RingState<Traits::kStages> ring_k, ring_v;
     Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor s = make_tensor(acc_s.data(), acc_rowcol_gmma(acc_s.layout()));  // (rows, cols)
-    Tensor rP = make_fragment_like<Element>(acc_s);
+    Tensor rP = make_tensor<Element>(acc_s.layout());
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand_gmma(rP.layout()));  // (MMA, MMA_M, MMA_K)
     auto mask_scores = [&](int n_block, auto masked) __attribute__((always_inline)) {
       if constexpr (decltype(masked)::value) {
@@ -260,14 +260,26 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     if (n_block >= keys.unmasked_end) {
       mask_scores(n_block, cute::true_type{});
     }
+    // The factors by which O's rows are rescaled before the next P V adds to it (the first block's multiply zeros).
     float alpha[kRows];
-    softmax.update_scores(s, p.softmax_scale_log2, alpha);  // O is 0 still: no rescale
-    copy(convert_fragment<Element>(acc_s), rP);
+    softmax.update_scores(s, p.softmax_scale_log2, alpha);
 
+    // The wait for P V opens the next step rather than ending this one: ptxas hoists a wait within a basic block to
+    // the start of the softmax (which then no longer ran under P V; seen in the SASS), not across the loop's branch.
+    bool pv_in_flight = false;
+    auto finish_pv = [&]() __attribute__((always_inline)) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      if (pv_in_flight) release(smem.v_empty, ring_v);
+    };
     auto step = [&](int n_block, auto masked) __attribute__((always_inline)) {
+      finish_pv();
+      pv_in_flight = true;
       ClusterTransactionBarrier::wait(&smem.k_full[ring_k.stage], ring_k.phase);
+      convert_fragment_into(acc_s, rP);
       turns.wait();
       gmma<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, ring_k.stage), acc_s);
+      softmax.rescale(acc_o_rc, alpha);  // under Q K^T, which writes S only
       ClusterTransactionBarrier::wait(&smem.v_full[ring_v.stage], ring_v.phase);
       gmma<false, -1>(mma_pv, tOrP, tOrV(_, _, _, ring_v.stage), acc_o);
       turns.pass();
@@ -275,16 +287,13 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
       warpgroup_fence_operand(acc_s);
       release(smem.k_empty, ring_k);
       mask_scores(n_block, masked);
-      float alpha[kRows];
       softmax.update_scores(s, p.softmax_scale_log2, alpha);
-      warpgroup_wait<0>();  // P V is done
-      warpgroup_fence_operand(acc_o);
-      release(smem.v_empty, ring_v);
-      softmax.rescale(acc_o_rc, alpha);
-      copy(convert_fragment<Element>(acc_s), rP);
     };
     for (--n_block; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{});
     for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{});
+    finish_pv();
+    convert_fragment_into(acc_s, rP);
+    softmax.rescale(acc_o_rc, alpha);
     ClusterTransactionBarrier::wait(&smem.v_full[ring_v.stage], ring_v.phase);
     gmma<false, 0>(mma_pv, tOrP, tOrV(_, _, _, ring_v.stage), acc_o);
     release(smem.v_empty, ring_v);
