@@ -38,6 +38,13 @@ def test_expanded_keys_and_values(causal, make_qkv, run_and_check):
     run_and_check(q, k[:1].expand(2, -1, 8, -1), v[:1].expand(2, -1, 8, -1), causal)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_more_tiles_than_multiprocessors(head_dim, make_qkv, run_and_check):
+    # 8 query blocks of up to 128 rows per (sequence, head), 384 or more tiles: a persistent kernel's blocks walk
+    # several tiles each, of different heads and sequences, the last with a partial query block.
+    run_and_check(*make_qkv(3, 1000, 700, 16, 4, head_dim, torch.bfloat16), False)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_large_logits_stay_finite(head_dim, dtype, make_qkv, run_and_check):

@@ -1,12 +1,14 @@
 // sm90 forward kernel: FlashAttention with TMA loads, wgmma products and warp specialisation.
 //
-// One thread block owns kBlockM query rows of one (sequence, head). Warpgroup 0 is the producer: one thread issues
-// the TMA loads of Q, then of K and V block by block (from the last visible block down, as the sm80 family walks
-// them) into kStages buffers each, guarded by mbarriers (full: loaded; empty: every consumer warpgroup is done with
-// it). The other warpgroups are consumers, 64 query rows each:
+// A thread block computes tiles of kBlockM query rows of one (sequence, head): one tile (causal calls: the grid lists
+// them, heaviest first) or, persistent, a share of all of them (TileScheduler). Warpgroup 0 is the producer: one
+// thread issues the TMA loads of each tile's Q, then of its K and V block by block (from the last visible block down,
+// as the sm80 family walks them) into kStages buffers each, guarded by mbarriers (full: loaded; empty: every consumer
+// warpgroup is done with it). The other warpgroups are consumers, 64 query rows each:
 //   S = Q K^T (wgmma, both from shared memory)  ->  mask  ->  online softmax (common/softmax.cuh)  ->
 //   O += P V (wgmma, P from registers)
-// and at the end O through shared memory (Q's buffer) to global memory, and the rows' log-sum-exp.
+// and at the end O from registers to global memory, and the rows' log-sum-exp. Q's buffer is released once the tile's
+// last Q K^T is done, so that the producer loads the next tile's Q under the tile's last P V and its stores.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -111,12 +113,41 @@ struct RingState {
   }
 };
 
-// The producer's thread: Q, then K and V of each visible key block, from the last down (nothing for a query block
-// that sees no key). A buffer is refilled once every consumer warpgroup has released it (its empty barrier's phase;
-// the first round waits for nothing).
+// One tile of kBlockM query rows of one (sequence, head).
+struct FwdTile {
+  int m_block, head, batch;
+};
+
+// The tiles of a thread block, from the index t = first(), next(t), ... while valid(t). Not persistent: the one tile
+// of its block index (m_block fastest and from the last down, so that the heaviest causal blocks start first).
+// Persistent (a block per multiprocessor): every gridDim.x-th tile of all, m_block fastest, so that the blocks at work
+// at one time read a few (sequence, head)'s keys and values, which stay in L2 for all of them.
+template <bool kPersistent>
+struct TileScheduler {
+  int m_blocks;  // query blocks per (sequence, head)
+  int nheads;
+  int tiles;
+
+  __device__ __forceinline__ int first() const { return kPersistent ? int(blockIdx.x) : 0; }
+  __device__ __forceinline__ int next(int t) const { return kPersistent ? t + int(gridDim.x) : tiles; }
+  __device__ __forceinline__ bool valid(int t) const { return t < tiles; }
+  __device__ __forceinline__ FwdTile tile(int t) const {
+    if constexpr (kPersistent) {
+      const int bh = t / m_blocks;
+      return {t - bh * m_blocks, bh % nheads, bh / nheads};
+    } else {
+      return {int(gridDim.x - 1 - blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+    }
+  }
+};
+
+// The producer's thread, for one tile: Q, then K and V of each visible key block, from the last down (nothing for a
+// query block that sees no key). A buffer is refilled once every consumer warpgroup has released it (its empty
+// barrier's phase; the first round waits for nothing); the rings continue from tile to tile.
 template <typename Traits>
 __device__ __forceinline__ void load_tiles(FwdArgs<Traits> const& args, typename Traits::SharedStorage& smem,
-                                           Sequence const& seq, int head, int m_block, BlockRange const& keys) {
+                                           Sequence const& seq, int head, int m_block, BlockRange const& keys,
+                                           RingState<1>& ring_q, RingState<Traits::kStages>& ring) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   FwdParams const& p = args.p;
   const int head_k = head / (p.nheads / p.nheads_k);
@@ -141,10 +172,11 @@ __device__ __forceinline__ void load_tiles(FwdArgs<Traits> const& args, typename
   Tensor tVgVt = group_modes<0, 3>(tma_v.partition_S(gVt));  // (TMA, blocks)
   Tensor tVsVt = group_modes<0, 3>(tma_v.partition_D(sVt));  // (TMA, stages)
 
-  if (keys.empty()) return;  // the consumers write O = 0 through sQ at once: nothing may land there
+  if (keys.empty()) return;  // the consumers write O = 0 and read nothing
+  ClusterBarrier::wait(&smem.q_empty, ring_q.phase ^ 1);
   ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
   copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
-  RingState<Traits::kStages> ring;
+  ring_q.advance();
   for (int n_block = keys.end - 1; n_block >= keys.begin; --n_block) {
     ClusterBarrier::wait(&smem.k_empty[ring.stage], ring.phase ^ 1);
     ClusterTransactionBarrier::arrive_and_expect_tx(&smem.k_full[ring.stage], Traits::kKVBytes);
@@ -156,45 +188,26 @@ __device__ __forceinline__ void load_tiles(FwdArgs<Traits> const& args, typename
   }
 }
 
-// The end of a consumer warpgroup's rows: O /= l and lse = m scale + log(l); O through its rows of sQ (which its own
-// products no longer read) to global memory, rows < rows_left and columns < head_dim.
-template <typename Traits, typename Softmax, typename AccO>
-__device__ __forceinline__ void store_output(FwdParams const& p, Sequence const& seq, int head, int m_block,
-                                             Softmax& softmax, AccO& acc_o, typename Traits::SharedStorage& smem,
-                                             int tid) {
+// A consumer warpgroup's rows of O (rows < rows_left, columns < head_dim) to global memory through its rows of sQ,
+// which its products no longer read: 16-byte stores. For a block's last tile only (the producer loads no further Q).
+template <typename Traits, typename AccO>
+__device__ __forceinline__ void write_o_staged(FwdParams const& p, typename Traits::Element* o, int rows_left,
+                                               AccO const& acc_o, typename Traits::SharedStorage& smem, int tid) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-  typename Traits::TiledMmaPV tiled_mma;
-  auto thr_mma = tiled_mma.get_thread_slice(tid);
-  Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol_gmma(acc_o.layout()));
-  constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
-  float row_lse[kRows];
-  softmax.finalize(acc_o_rc, p.softmax_scale, row_lse);
-
-  const int rows_left = seq.seqlen_q - m_block * kBlockM;
-  Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor cO_rc = make_tensor(cO.data(), acc_rowcol_gmma(cO.layout()));
-  float* lse = p.lse + seq.stats(p, head) + m_block * kBlockM;
-  if (get<1>(cO_rc(0, 0)) == 0) {  // the first thread of each quad writes the quad's rows
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      const int row = get<0>(cO_rc(mi, 0));
-      if (row < rows_left) lse[row] = row_lse[mi];
-    }
-  }
-
   const int warpgroup = tid / 128;
   const uint32_t barrier = kEpilogueBarrier + uint32_t(warpgroup);
   Tensor sO = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim)
-  cutlass::arch::NamedBarrier::sync(128, barrier);  // the warpgroup's products no longer read its rows of sQ
-  Tensor rO = convert_fragment<Element>(acc_o);
-  auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma);
+  cutlass::arch::NamedBarrier::sync(128, barrier);  // every thread of the warpgroup is past its last Q K^T
+  Tensor rO = make_tensor<Element>(acc_o.layout());
+  convert_fragment_into(acc_o, rO);
+  auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmaPV{});
   auto smem_thr = smem_copy.get_thread_slice(tid);
   copy(smem_copy, smem_thr.retile_S(rO), smem_thr.partition_D(sO));
   cutlass::arch::NamedBarrier::sync(128, barrier);
 
   Tensor gO =
-      local_tile(make_tensor(make_gmem_ptr(p.o.at<Element>(seq.batch, head, seq.q_row0 + m_block * kBlockM)),
+      local_tile(make_tensor(make_gmem_ptr(o),
                              make_layout(Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.o.row_stride, _1{}))),
                  Shape<_64, Int<kHeadDim>>{}, make_coord(warpgroup, 0));  // (64, kHeadDim): the warpgroup's rows
   Tensor sO_rows = local_tile(sO, Shape<_64, Int<kHeadDim>>{}, make_coord(warpgroup, 0));
@@ -205,14 +218,78 @@ __device__ __forceinline__ void store_output(FwdParams const& p, Sequence const&
                            rows_left - warpgroup * 64, p.head_dim);
 }
 
-// A consumer warpgroup's thread (tid: its index among the consumers): the key loop over the blocks the producer loads,
+// The same from registers, no shared memory held: each thread writes its column pairs (4 bytes, which the head dim's
+// multiples of 8 and the 16-byte row strides keep aligned). Slower per tile than write_o_staged (more and narrower
+// stores), but a persistent block loads its next tile's Q meanwhile.
+template <typename Traits, typename AccO>
+__device__ __forceinline__ void write_o_direct(FwdParams const& p, typename Traits::Element* o, int rows_left,
+                                               AccO const& acc_o, int tid) {
+  using Element = typename Traits::Element;
+  auto thr_mma = typename Traits::TiledMmaPV{}.get_thread_slice(tid);
+  Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}));
+  Tensor cO_rc = make_tensor(cO.data(), acc_rowcol_gmma(cO.layout()));  // (rows, cols) -> (row, col)
+  Tensor rO = make_tensor<Element>(acc_o.layout());
+  convert_fragment_into(acc_o, rO);
+  Tensor rO_rc = make_tensor(rO.data(), acc_rowcol_gmma(rO.layout()));
+  static_assert(decltype(stride<1, 0>(rO_rc))::value == 1 && decltype(size<1, 0>(rO_rc))::value == 2);
+  uint32_t const* words = reinterpret_cast<uint32_t const*>(rO.data());  // column pairs
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(rO_rc); ++mi) {
+    const int row = get<0>(cO_rc(mi, 0));
+    if (row >= rows_left) continue;
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(rO_rc); ni += 2) {
+      const int col = get<1>(cO_rc(mi, ni));
+      if (col < p.head_dim) {
+        *reinterpret_cast<uint32_t*>(o + row * p.o.row_stride + col) = words[rO_rc.layout()(mi, ni) / 2];
+      }
+    }
+  }
+}
+
+// The end of a consumer warpgroup's rows: O /= l and lse = m scale + log(l), then O to global memory (kStaged:
+// write_o_staged, else write_o_direct).
+template <typename Traits, bool kStaged, typename Softmax, typename AccO>
+__device__ __forceinline__ void store_output(FwdParams const& p, Sequence const& seq, int head, int m_block,
+                                             Softmax& softmax, AccO& acc_o, typename Traits::SharedStorage& smem,
+                                             int tid) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  auto thr_mma = typename Traits::TiledMmaPV{}.get_thread_slice(tid);
+  Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol_gmma(acc_o.layout()));
+  constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+  float row_lse[kRows];
+  softmax.finalize(acc_o_rc, p.softmax_scale, row_lse);
+
+  const int rows_left = seq.seqlen_q - m_block * kBlockM;
+  Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{}));
+  Tensor cO_rc = make_tensor(cO.data(), acc_rowcol_gmma(cO.layout()));
+  float* lse = p.lse + seq.stats(p, head) + m_block * kBlockM;
+  if (get<1>(cO_rc(0, 0)) == 0) {  // the first thread of each quad writes the quad's rows
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      const int row = get<0>(cO_rc(mi, 0));
+      if (row < rows_left) lse[row] = row_lse[mi];
+    }
+  }
+  Element* o = p.o.at<Element>(seq.batch, head, seq.q_row0 + m_block * kBlockM);
+  if constexpr (kStaged) {
+    write_o_staged<Traits>(p, o, rows_left, acc_o, smem, tid);
+  } else {
+    write_o_direct<Traits>(p, o, rows_left, acc_o, tid);
+  }
+}
+
+// A consumer warpgroup's thread (tid: its index among the consumers), for one tile: the key loop over the blocks the
+// producer loads,
 // from the last down, the masked ones first. The product P V of a block runs while the softmax of the next block's
 // scores does: each step waits for the P V before it, converts the block before's P to 16 bits, issues S = Q K^T of its
 // block, rescales O, issues O += P V, and takes the softmax of S once Q K^T is done.
-template <typename Traits>
+template <typename Traits, bool kPersistent>
 __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits::SharedStorage& smem,
                                              Sequence const& seq, int head, int m_block, BlockRange const& keys,
-                                             int tid) {
+                                             int tid, RingState<1>& ring_q, RingState<Traits::kStages>& ring_k,
+                                             RingState<Traits::kStages>& ring_v) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   typename Traits::TiledMmaQK mma_qk;
@@ -235,7 +312,6 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
 
   if (!keys.empty()) {
     const bool is_signaling = tid % 128 == 0;  // one arrival per warpgroup releases a buffer
-    RingState<Traits::kStages> ring_k, ring_v;
     Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor s = make_tensor(acc_s.data(), acc_rowcol_gmma(acc_s.layout()));  // (rows, cols)
     Tensor rP = make_tensor<Element>(acc_s.layout());
@@ -253,7 +329,7 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     const Turns<Traits::kConsumerWarpgroups> turns{tid / 128};
     turns.begin();
     int n_block = keys.end - 1;
-    ClusterTransactionBarrier::wait(&smem.q_full, 0);
+    ClusterTransactionBarrier::wait(&smem.q_full, ring_q.phase);
     ClusterTransactionBarrier::wait(&smem.k_full[ring_k.stage], ring_k.phase);
     gmma<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, ring_k.stage), acc_s);
     release(smem.k_empty, ring_k);
@@ -291,6 +367,8 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     };
     for (--n_block; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{});
     for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{});
+    if (is_signaling) ClusterBarrier::arrive(&smem.q_empty);  // every Q K^T is done
+    ring_q.advance();
     finish_pv();
     convert_fragment_into(acc_s, rP);
     softmax.rescale(acc_o_rc, alpha);
@@ -299,12 +377,12 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     release(smem.v_empty, ring_v);
     turns.end();
   }
-  store_output<Traits>(p, seq, head, m_block, softmax, acc_o, smem, tid);
+  store_output<Traits, !kPersistent>(p, seq, head, m_block, softmax, acc_o, smem, tid);
 }
 
-// One thread block per query block of each (sequence, head), the heaviest causal blocks first. Fixed-length batches
-// without options (the registry sends the other calls to the sm80 family).
-template <typename Traits>
+// Fixed-length batches without options (the registry sends the other calls to the sm80 family); the tiles of
+// TileScheduler<kPersistent>.
+template <typename Traits, bool kPersistent>
 static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_kernel(CUTLASS_GRID_CONSTANT FwdArgs<Traits> const args) {
   extern __shared__ __align__(1024) char smem_raw[];
@@ -316,6 +394,7 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     ClusterTransactionBarrier::init(&smem.q_full, 1);
+    ClusterBarrier::init(&smem.q_empty, Traits::kConsumerWarpgroups);
     for (int s = 0; s < Traits::kStages; ++s) {
       ClusterTransactionBarrier::init(&smem.k_full[s], 1);
       ClusterTransactionBarrier::init(&smem.v_full[s], 1);
@@ -326,17 +405,33 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   __syncthreads();  // the last barrier of the whole block: the producer's other warps leave below
 
-  const int m_block = int(gridDim.x - 1 - blockIdx.x);
-  const int head = blockIdx.y;
-  const Sequence seq = sequence<Variant::kFixed>(p, blockIdx.z);
-  const BlockRange keys =
-      mask_policy<Variant::kFixed>(p, seq).template key_blocks<Traits::kBlockM, Traits::kBlockN>(m_block);
+  const int m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
+  const TileScheduler<kPersistent> scheduler{m_blocks, p.nheads, kPersistent ? m_blocks * p.nheads * p.batch : 1};
+  auto for_each_tile = [&](auto&& body) __attribute__((always_inline)) {
+    for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t)) {
+      const FwdTile tile = scheduler.tile(t);
+      const Sequence seq = sequence<Variant::kFixed>(p, tile.batch);
+      const BlockRange keys =
+          mask_policy<Variant::kFixed>(p, seq).template key_blocks<Traits::kBlockM, Traits::kBlockN>(tile.m_block);
+      body(tile, seq, keys);
+    }
+  };
+  RingState<1> ring_q;
   if (warp < 4) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (warp == 0 && cute::elect_one_sync()) load_tiles<Traits>(args, smem, seq, head, m_block, keys);
+    if (warp == 0 && cute::elect_one_sync()) {
+      RingState<Traits::kStages> ring;
+      for_each_tile([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) {
+        load_tiles<Traits>(args, smem, seq, tile.head, tile.m_block, keys, ring_q, ring);
+      });
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-    compute_tile<Traits>(p, smem, seq, head, m_block, keys, int(threadIdx.x) - 128);
+    RingState<Traits::kStages> ring_k, ring_v;
+    for_each_tile([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) {
+      compute_tile<Traits, kPersistent>(p, smem, seq, tile.head, tile.m_block, keys, int(threadIdx.x) - 128, ring_q,
+                                        ring_k, ring_v);
+    });
   }
 }
 

@@ -109,8 +109,10 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
-    // mbarriers: Q loaded; stage s of K (of V) loaded, and released by every consumer warpgroup.
+    // mbarriers: Q loaded, and released by every consumer warpgroup (a persistent block loads the next tile's Q
+    // then); stage s of K (of V) loaded, and released.
     uint64_t q_full;
+    uint64_t q_empty;
     uint64_t k_full[kStages];
     uint64_t k_empty[kStages];
     uint64_t v_full[kStages];
