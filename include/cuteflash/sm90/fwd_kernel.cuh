@@ -285,7 +285,7 @@ __device__ __forceinline__ void store_output(FwdParams const& p, Sequence const&
 // from the last down, the masked ones first. The product P V of a block runs while the softmax of the next block's
 // scores does: each step waits for the P V before it, converts the block before's P to 16 bits, issues S = Q K^T of its
 // block, rescales O, issues O += P V, and takes the softmax of S once Q K^T is done.
-template <typename Traits, bool kPersistent>
+template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal>
 __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits::SharedStorage& smem,
                                              Sequence const& seq, int head, int m_block, BlockRange const& keys,
                                              int tid, RingState<1>& ring_q, RingState<Traits::kStages>& ring_k,
@@ -328,10 +328,39 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
 
     const Turns<Traits::kConsumerWarpgroups> turns{tid / 128};
     turns.begin();
-    int n_block = keys.end - 1;
     ClusterTransactionBarrier::wait(&smem.q_full, ring_q.phase);
-    ClusterTransactionBarrier::wait(&smem.k_full[ring_k.stage], ring_k.phase);
-    gmma<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, ring_k.stage), acc_s);
+    int n_block = keys.end - 1;
+    // kSkipAboveDiagonal (causal): the tile's last key blocks may lie wholly above the diagonal for this warpgroup's
+    // 64 rows, and rows past the sequence's end see none: the warpgroup releases those blocks unread (but the first of
+    // the tile's blocks, so that every warpgroup has one: rows that see no key get P = 0 from its mask). Every
+    // warpgroup takes one turn per block of the tile, used or not, so that the turns go round in step.
+    if constexpr (kSkipAboveDiagonal) {
+      const int first_row = m_block * kBlockM + 64 * (tid / 128);
+      const int own_end = std::max(
+          keys.begin + 1,
+          first_row >= seq.seqlen_q
+              ? keys.begin
+              : std::min(keys.end,
+                         mask_policy<Variant::kFixed>(p, seq).template key_blocks<64, kBlockN>(first_row / 64).end));
+#pragma unroll 1
+      for (; n_block >= own_end; --n_block) {
+        ClusterTransactionBarrier::wait(&smem.k_full[ring_k.stage], ring_k.phase);
+        release(smem.k_empty, ring_k);
+        ClusterTransactionBarrier::wait(&smem.v_full[ring_v.stage], ring_v.phase);
+        release(smem.v_empty, ring_v);
+        turns.wait();
+        turns.pass();
+      }
+      ClusterTransactionBarrier::wait(&smem.k_full[ring_k.stage], ring_k.phase);
+      turns.wait();
+      gmma<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, ring_k.stage), acc_s);
+      turns.pass();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
+    } else {
+      ClusterTransactionBarrier::wait(&smem.k_full[ring_k.stage], ring_k.phase);
+      gmma<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, ring_k.stage), acc_s);
+    }
     release(smem.k_empty, ring_k);
     if (n_block >= keys.unmasked_end) {
       mask_scores(n_block, cute::true_type{});
@@ -381,8 +410,8 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
 }
 
 // Fixed-length batches without options (the registry sends the other calls to the sm80 family); the tiles of
-// TileScheduler<kPersistent>.
-template <typename Traits, bool kPersistent>
+// TileScheduler<kPersistent>; kSkipAboveDiagonal: compute_tile.
+template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal>
 static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_kernel(CUTLASS_GRID_CONSTANT FwdArgs<Traits> const args) {
   extern __shared__ __align__(1024) char smem_raw[];
@@ -429,8 +458,8 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     RingState<Traits::kStages> ring_k, ring_v;
     for_each_tile([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) {
-      compute_tile<Traits, kPersistent>(p, smem, seq, tile.head, tile.m_block, keys, int(threadIdx.x) - 128, ring_q,
-                                        ring_k, ring_v);
+      compute_tile<Traits, kPersistent, kSkipAboveDiagonal>(p, smem, seq, tile.head, tile.m_block, keys,
+                                                            int(threadIdx.x) - 128, ring_q, ring_k, ring_v);
     });
   }
 }

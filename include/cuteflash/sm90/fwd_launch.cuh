@@ -55,7 +55,7 @@ auto gmem_tensor(Operand const& t, int rows, int head_dim, int heads, int batch,
 }
 
 // kPersistent: a block per multiprocessor, each through its share of the tiles (TileScheduler); else a block per tile.
-template <typename Traits, bool kPersistent>
+template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal>
 void launch_fwd(FwdParams const& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -74,7 +74,8 @@ void launch_fwd(FwdParams const& p, cudaStream_t stream) {
     const int64_t tiles = int64_t(grid.x) * grid.y * grid.z;
     grid = dim3(unsigned(std::max<int64_t>(1, std::min<int64_t>(tiles, device_limits().sms))));
   }
-  launch(&fwd_kernel<Traits, kPersistent>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, args, "sm90 forward");
+  launch(&fwd_kernel<Traits, kPersistent, kSkipAboveDiagonal>, grid, Traits::kNThreads, Traits::kSmemBytes, stream,
+         args, "sm90 forward");
 }
 
 template <typename Element, int kHeadDim>
@@ -84,10 +85,14 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
   // of their time. Causal tiles differ in their work: the grid's order (heaviest first) and the hardware's placement
   // of blocks as others finish balance them better than a static share would. At larger head dims the persistent
   // blocks' register-to-global stores of O cost what the overlap gains (measured on an H200, head dim 128).
+  // Causal tiles of three warpgroups (192 rows) let a warpgroup skip the key blocks above its own rows' diagonal; two
+  // warpgroups (128 rows) would skip little (none but past the sequence's end at head dim 128, at most a block a tile
+  // at 256), and the registers it takes spill at head dim 256.
   if (p.causal) {
-    launch_fwd<typename FwdTraitsSelect<Element, kHeadDim, true>::type, false>(p, stream);
+    using Traits = typename FwdTraitsSelect<Element, kHeadDim, true>::type;
+    launch_fwd<Traits, false, (Traits::kConsumerWarpgroups == 3)>(p, stream);
   } else {
-    launch_fwd<typename FwdTraitsSelect<Element, kHeadDim, false>::type, (kHeadDim <= 64)>(p, stream);
+    launch_fwd<typename FwdTraitsSelect<Element, kHeadDim, false>::type, (kHeadDim <= 64), false>(p, stream);
   }
 }
 
