@@ -331,9 +331,10 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     ClusterTransactionBarrier::wait(&smem.q_full, ring_q.phase);
     int n_block = keys.end - 1;
     // kSkipAboveDiagonal (causal): the tile's last key blocks may lie wholly above the diagonal for this warpgroup's
-    // 64 rows, and rows past the sequence's end see none: the warpgroup releases those blocks unread (but the first of
-    // the tile's blocks, so that every warpgroup has one: rows that see no key get P = 0 from its mask). Every
-    // warpgroup takes one turn per block of the tile, used or not, so that the turns go round in step.
+    // 64 rows, and rows past the sequence's end need none: the warpgroup releases those blocks unread, but the first of
+    // the tile's blocks, so that every warpgroup computes one (rows that see no key get P = 0 from its mask; rows past
+    // the end are not stored). Every warpgroup takes one turn per block of the tile, used or not, so that the turns go
+    // round in step.
     if constexpr (kSkipAboveDiagonal) {
       const int first_row = m_block * kBlockM + 64 * (tid / 128);
       const int own_end = std::max(
@@ -344,12 +345,12 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
                          mask_policy<Variant::kFixed>(p, seq).template key_blocks<64, kBlockN>(first_row / 64).end));
 #pragma unroll 1
       for (; n_block >= own_end; --n_block) {
+        turns.wait();  // the turn first: the next warpgroup's products wait for nothing of these
+        turns.pass();
         ClusterTransactionBarrier::wait(&smem.k_full[ring_k.stage], ring_k.phase);
         release(smem.k_empty, ring_k);
         ClusterTransactionBarrier::wait(&smem.v_full[ring_v.stage], ring_v.phase);
         release(smem.v_empty, ring_v);
-        turns.wait();
-        turns.pass();
       }
       ClusterTransactionBarrier::wait(&smem.k_full[ring_k.stage], ring_k.phase);
       turns.wait();
