@@ -94,20 +94,8 @@ __host__ __device__ constexpr auto acc_as_a_operand(Layout acc) {
   }
 }
 
-// Element-wise conversion of a register fragment into a new fragment of the same layout.
-template <typename To, typename Engine, typename Layout>
-__device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
-  using From = typename Engine::value_type;
-  constexpr int N = decltype(size(src))::value;
-  Tensor dst = make_tensor<To>(src.layout());
-  cutlass::NumericArrayConverter<To, From, N> convert;
-  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
-      convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
-  return dst;
-}
-
-// The same into dst, a fragment of src's layout: register for register (a copy between fragments whose layouts
-// differ would repack the 16-bit halves).
+// Element-wise conversion of a register fragment into dst, a fragment of src's layout: register for register (a copy
+// between fragments whose layouts differ would repack the 16-bit halves).
 template <typename SrcEngine, typename DstEngine, typename Layout>
 __device__ __forceinline__ void convert_fragment_into(Tensor<SrcEngine, Layout> const& src,
                                                       Tensor<DstEngine, Layout>& dst) {
@@ -117,6 +105,14 @@ __device__ __forceinline__ void convert_fragment_into(Tensor<SrcEngine, Layout> 
   cutlass::NumericArrayConverter<To, From, N> convert;
   *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
       convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
+}
+
+// The same into a new fragment of src's layout.
+template <typename To, typename Engine, typename Layout>
+__device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
+  Tensor dst = make_tensor<To>(src.layout());
+  convert_fragment_into(src, dst);
+  return dst;
 }
 
 // The rows of one (batch, head) of a (batch, seqlen, nheads, head_dim) tensor, kRows at a time: block(i)

@@ -7,8 +7,9 @@
 // warpgroup is done with it). The other warpgroups are consumers, 64 query rows each:
 //   S = Q K^T (wgmma, both from shared memory)  ->  mask  ->  online softmax (common/softmax.cuh)  ->
 //   O += P V (wgmma, P from registers)
-// and at the end O from registers to global memory, and the rows' log-sum-exp. Q's buffer is released once the tile's
-// last Q K^T is done, so that the producer loads the next tile's Q under the tile's last P V and its stores.
+// and at the end O to global memory (through Q's buffer for a block's one tile, from registers in persistent blocks),
+// and the rows' log-sum-exp. Q's buffer is released once the tile's last Q K^T is done, so that a persistent block's
+// producer loads the next tile's Q under the tile's last P V and its stores.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -437,7 +438,7 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const int m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
   const TileScheduler<kPersistent> scheduler{m_blocks, p.nheads, kPersistent ? m_blocks * p.nheads * p.batch : 1};
-  auto for_each_tile = [&](auto&& body) __attribute__((always_inline)) {
+  auto walk_tiles = [&](auto&& body) __attribute__((always_inline)) {
     for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t)) {
       const FwdTile tile = scheduler.tile(t);
       const Sequence seq = sequence<Variant::kFixed>(p, tile.batch);
@@ -451,14 +452,14 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (warp == 0 && cute::elect_one_sync()) {
       RingState<Traits::kStages> ring;
-      for_each_tile([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) {
+      walk_tiles([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) {
         load_tiles<Traits>(args, smem, seq, tile.head, tile.m_block, keys, ring_q, ring);
       });
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     RingState<Traits::kStages> ring_k, ring_v;
-    for_each_tile([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) {
+    walk_tiles([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) {
       compute_tile<Traits, kPersistent, kSkipAboveDiagonal>(p, smem, seq, tile.head, tile.m_block, keys,
                                                             int(threadIdx.x) - 128, ring_q, ring_k, ring_v);
     });
