@@ -656,7 +656,7 @@ def run_latency(args) -> list[list[str]]:
         return sdpa
 
     for shape, backward in LATENCY_SHAPES:
-        if kernel_head_dim(shape[3], args.head_dims) is None:
+        if kernel_head_dim(shape[3], args.head_dims) is None or (backward and args.forward_only):
             continue
         qkv = [torch.randn(shape, device="cuda", dtype=torch.float16, requires_grad=backward) for _ in range(3)]
         dout = torch.randn_like(qkv[0]) if backward else None
@@ -951,13 +951,19 @@ def main(argv=None) -> int:
     if "bwd" not in built["directions"]:
         args.forward_only = True
     bf16_ok = "bf16" in _families.get(family).dtypes and "bfloat16" in built["dtypes"]
+    if not args.dtype and not args.quick:  # the dtypes compiled in (a developer's build may leave one out)
+        args.dtype = [n for n, t in (("fp16", "float16"), ("bf16", "bfloat16")) if t in built["dtypes"]]
+        args.dtype = [n for n in args.dtype if n == "fp16" or bf16_ok]
     cases = build_cases(args, bf16_ok=bf16_ok, head_dims_ok=built["head_dims"])
     varlen_runs = not args.quick and args.suite in ("default", "varlen") and VARLEN_MIXED[4] in built["head_dims"]
     options_runs = args.suite == "options" and OPTIONS_SHAPE[3] in built["head_dims"]
-    decode_runs = args.suite == "decode" and DECODE_HEAD_DIM in built["head_dims"]
+    fp16_built = "float16" in built["dtypes"]  # the decoding and latency tables' dtype
+    decode_runs = args.suite == "decode" and DECODE_HEAD_DIM in built["head_dims"] and fp16_built
     args.head_dims = built["head_dims"]
-    latency_runs = args.suite in ("default", "latency") and any(
-        kernel_head_dim(shape[3], args.head_dims) for shape, _ in LATENCY_SHAPES
+    latency_runs = (
+        args.suite in ("default", "latency")
+        and fp16_built
+        and any(kernel_head_dim(shape[3], args.head_dims) for shape, _ in LATENCY_SHAPES)
     )
     if args.suite == "ring":
         return _ring_suite(args)
@@ -967,11 +973,11 @@ def main(argv=None) -> int:
     results = [run_case(case, args) for case in _progress(cases, len(cases))]
     varlen = []
     if varlen_runs:
-        for dtype in args.dtype or (["fp16", "bf16"] if bf16_ok else ["fp16"]):
+        for dtype in args.dtype or ["fp16"]:
             varlen += run_varlen(args, dtype, equal=args.suite == "varlen")
     options = []
     if options_runs:
-        for dtype in args.dtype or (["fp16", "bf16"] if bf16_ok else ["fp16"]):
+        for dtype in args.dtype or ["fp16"]:
             options += run_options(args, dtype)
     if decode_runs:
         title = f"Decoding: flash_attn_with_kvcache, {DECODE_HEADS} heads of {DECODE_HEAD_DIM}, fp16, no mask"
