@@ -72,11 +72,6 @@ struct S : B {
     assert function_lengths(text) == [(4, 1), (5, 4)]
 
 
-# Longer functions that wait for a split: the sm70 forward kernel's fwd_block, whose softmax and epilogue phases,
-# taken out as functions, change its kernels' machine code.
-WAITING = {"include/cuteflash/sm70/fwd_kernel.cuh"}
-
-
 def _too_long(paths) -> list[str]:
     found = []
     for path in paths:
@@ -94,11 +89,5 @@ def _sources():
 
 
 def test_no_function_is_longer_than_150_lines():
-    paths = [path for path in _sources() if path.relative_to(ROOT).as_posix() not in WAITING]
-    too_long = _too_long(paths)
+    too_long = _too_long(_sources())
     assert not too_long, "functions longer than 150 lines (split them into phases):\n" + "\n".join(too_long)
-
-
-@pytest.mark.xfail(strict=True, reason="the sm70 forward kernel's fwd_block is not split yet")
-def test_the_waiting_functions_are_split():
-    assert not _too_long(ROOT / path for path in sorted(WAITING))
