@@ -14,8 +14,8 @@
 namespace cuteflash {
 
 static __global__ void __launch_bounds__(256) append_kv_kernel(const AppendParams a) {
-  const int chunks = a.head_dim * a.element_bytes / kVectorBytes;
-  const int64_t total = int64_t(a.batch) * a.seqlen_new * a.nheads_k * chunks;
+  const int chunks = a.row_chunks();
+  const int64_t total = a.chunks();
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int c = int(idx % chunks), head = int(idx / chunks % a.nheads_k);

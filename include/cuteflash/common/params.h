@@ -143,6 +143,10 @@ struct AppendParams {
   int64_t block_table_stride;
   int page_size;
   int num_pages;
+
+  // The kernel moves rows kVectorBytes at a time: the chunks of a row, and of every new row of every head.
+  CUTEFLASH_HOST_DEVICE int row_chunks() const { return head_dim * element_bytes / kVectorBytes; }
+  CUTEFLASH_HOST_DEVICE int64_t chunks() const { return int64_t(batch) * seqlen_new * nheads_k * row_chunks(); }
 };
 
 // The backward pass's fp32 workspace dq_accum, which sums dQ = dS K with atomics (none for a deterministic

@@ -15,7 +15,7 @@
 namespace cuteflash {
 
 static void run_append_kv(AppendParams const& a, cudaStream_t stream) {
-  const int64_t total = int64_t(a.batch) * a.seqlen_new * a.nheads_k * (a.head_dim * a.element_bytes / kVectorBytes);
+  const int64_t total = a.chunks();
   if (total == 0) return;
   const int blocks = int(std::min<int64_t>((total + 255) / 256, 8192));
   launch(&append_kv_kernel, dim3(blocks), 256, 0, stream, a, "KV cache append");
