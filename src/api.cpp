@@ -335,6 +335,16 @@ void require_family_runs(int family) {
   }
 }
 
+// The family whose decoding kernel family launches (itself, or another compiled for the same GPUs: the registry's
+// decode_from); throws where this build lacks it.
+int decoding_family(int family) {
+  const int decoding = family_info(family).decode_family;
+  require(decoding >= 0, std::string("the ") + family_name(family) +
+                             " family launches another family's decoding kernel, which this build lacks; rebuild with "
+                             "TORCH_CUDA_ARCH_LIST naming this GPU's compute capability");
+  return decoding;
+}
+
 // The launcher that find (find_fwd or find_bwd) has for the call's family, dtype and head dim; throws where the
 // build holds none, or where the family's code does not run on this device.
 template <typename Find>
@@ -383,7 +393,8 @@ std::tuple<bool, int, int64_t, int64_t> fwd_plan(std::string const& family_name,
   int splits = 1;
   if (batch > 0 && seqlen_q > 0) {
     if (decode) {
-      splits = decode_split_count(family, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim, num_splits);
+      splits = decode_split_count(decoding_family(family), batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim,
+                                  num_splits);
     } else if (cache && !varlen && !dropout) {
       splits = tiled_split_count(family, batch, nheads, seqlen_q, seqlen_k, head_dim, num_splits);
     }
@@ -493,8 +504,9 @@ std::optional<FwdLaunch> fwd_launch(Problem const& problem, Varlen const& varlen
             "split_counters: aligned int32 counters, for the decoding kernel only");
     p.split_counters = reinterpret_cast<int*>(split_counters);
   }
-  FwdFn kernel = decode ? require_kernel(find_decode, family, "decoding", DType(problem.dtype), head_dim)
-                        : require_kernel(find_fwd, family, "forward", DType(problem.dtype), head_dim);
+  FwdFn kernel = decode
+                     ? require_kernel(find_decode, decoding_family(family), "decoding", DType(problem.dtype), head_dim)
+                     : require_kernel(find_fwd, family, "forward", DType(problem.dtype), head_dim);
   return FwdLaunch{p, kernel, current_device(), stream, decode && num_splits > 1};
 }
 

@@ -59,19 +59,29 @@ def test_head_dims_come_from_the_common_tiles():
     assert gen.HEAD_DIMS == (32, 64, 96, 128, 160, 192, 224, 256)
 
 
-def test_a_forward_only_family_gets_forward_and_decoding_sources_only(tmp_path):
+def test_a_forward_only_family_gets_forward_sources_only(tmp_path):
     r = generate(tmp_path, "--families", "sm80", "sm90", "--headdims", "64", "128", "--targets", "sm90=9.0a")
     assert r.returncode == 0, r.stderr
     files = r.stdout.strip().split(";")
     sm90 = sorted(f for f in files if "_sm90" in f)
-    expected = [f"{d}_sm90_{t}_hd{h}.cu" for d in ("decode", "fwd") for t in ("bf16", "fp16") for h in (128, 64)]
-    assert sm90 == sorted(expected + ["probe_sm90.cu"])
-    for direction in ("fwd", "decode"):
-        source = (tmp_path / f"{direction}_sm90_bf16_hd64.cu").read_text()
-        assert f'#include "cuteflash/sm90/{direction}_launch.cuh"' in source
-        assert f"sm90::run_{direction}<cutlass::bfloat16_t, 64>(p, stream);" in source
+    expected = [f"fwd_sm90_{t}_hd{h}.cu" for t in ("bf16", "fp16") for h in (128, 64)]
+    assert sm90 == sorted(expected + ["probe_sm90.cu"])  # (its decoding kernel is sm80's: decode_from)
+    source = (tmp_path / "fwd_sm90_bf16_hd64.cu").read_text()
+    assert '#include "cuteflash/sm90/fwd_launch.cuh"' in source
+    assert "sm90::run_fwd<cutlass::bfloat16_t, 64>(p, stream);" in source
     dispatch = (tmp_path / "dispatch.cpp").read_text()
-    find_bwd = dispatch.split("BwdFn find_bwd(")[1].split("\n}\n")[0]
-    assert "// sm80" in find_bwd and "sm90" not in find_bwd  # (no sm90 backward: its switch has no case)
-    assert '{"sm90", "9.0a", sm90::FamilyTraits::kDecode' in dispatch
+    for name in ("BwdFn find_bwd(", "FwdFn find_decode("):
+        find = dispatch.split(name)[1].split("\n}\n")[0]
+        assert "// sm80" in find and "sm90" not in find  # (no sm90 backward or decoding kernel: no case)
+    # sm80 (family 0) launches its own decoding kernel, and sm90 sm80's
+    assert '{"sm80", "", sm80::FamilyTraits::kDecode, 0,' in dispatch
+    assert '{"sm90", "9.0a", sm90::FamilyTraits::kDecode, 0,' in dispatch
     assert '"bwd", DType::kFloat16, 64}' in dispatch and dispatch.count('"bwd"') == 4  # sm80's only
+
+
+def test_a_family_whose_decoding_kernel_is_not_compiled_in_says_so(tmp_path):
+    r = generate(tmp_path, "--families", "sm90", "--headdims", "64", "--targets", "sm90=9.0a")
+    assert r.returncode == 0, r.stderr
+    assert not [f for f in r.stdout.strip().split(";") if f.startswith("decode_")]
+    # decode_family -1: api.cpp's decoding_family raises rather than launch a kernel this build lacks
+    assert '{"sm90", "9.0a", sm90::FamilyTraits::kDecode, -1,' in (tmp_path / "dispatch.cpp").read_text()

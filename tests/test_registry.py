@@ -18,9 +18,11 @@ pytestmark = pytest.mark.skipif(not INCLUDE.exists(), reason="needs the source t
 @pytest.mark.parametrize("family", _families.NAMES)
 def test_each_family_folder_provides_the_launchers_and_traits(family):
     folder = INCLUDE / family
-    for direction in (*_families.get(family).directions, "decode"):
+    own_decode = _families.get(family).decode_from is None
+    for direction in (*_families.get(family).directions, *(["decode"] if own_decode else [])):
         text = (folder / f"{direction}_launch.cuh").read_text()
         assert f"namespace cuteflash::{family}" in text and f"void run_{direction}(" in text
+    assert (folder / "decode_launch.cuh").exists() == own_decode  # (no unused launcher)
     tiles = (folder / "tiles.h").read_text()
     assert f"namespace cuteflash::{family}" in tiles and "struct FamilyTraits" in tiles
     for constant in ("kDecode", "kRowsumInDq", "split_tile"):
@@ -33,10 +35,13 @@ def test_entries_are_consistent():
         assert set(family.dtypes) <= set(_families.DTYPES) and family.dtypes
         assert set(family.directions) <= set(_families.DIRECTIONS) and family.directions
         assert family.cc_max is None or family.cc_max >= family.cc_min
-        assert set(family.build_seconds) == {*family.directions, "decode"}
+        assert set(family.build_seconds) == {*family.directions, *(["decode"] if family.decode_from is None else [])}
         assert family.arch_suffix in ("", "a", "f") and set(family.features) <= set(_families.FEATURES)
         # a family beside another hands it the calls it lacks
         assert family.delegate in (None, *_families.NAMES) and (not family.alongside or family.delegate)
+        # another family's decoding kernel is launched only where it is compiled for the same GPUs: the delegate of a
+        # family beside it
+        assert family.decode_from is None or (family.alongside and family.decode_from == family.delegate)
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,8 @@ struct FamilyInfo {
   char const* name;                        // "sm80"
   char const* targets;                     // "8.0 9.0"
   DecodeConfig decode;                     // how its decoding kernel reads the keys, where its tensor cores take over
+  int decode_family;                       // the family whose decoding kernel it launches (itself, or the registry's
+                                           // decode_from; -1: that family is not compiled in)
   bool rowsum_in_dq;                       // the backward's D may live in dq's memory unless the pass is deterministic
   TileConfig (*split_tile)(int head_dim);  // the forward tile that plans the tiled kernels' key splits
   bool (*runs)();                          // whether the family's code in this module runs on the current device

@@ -54,7 +54,8 @@ namespace cuteflash::sm90 {
 
 // What the host (host/registry.h, through the generated dispatch) and the shared decoding kernel know of the family.
 struct FamilyTraits {
-  // The decoding kernel is the sm80 family's (decode_launch.cuh).
+  // The decoding kernel the family launches is the sm80 family's (the registry's decode_from), which the host plans by
+  // that family's DecodeConfig.
   static constexpr DecodeConfig kDecode = sm80::FamilyTraits::kDecode;
   // The backward is the sm80 family's (the registry's rule sends it there).
   static constexpr bool kRowsumInDq = sm80::FamilyTraits::kRowsumInDq;
