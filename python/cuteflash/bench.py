@@ -656,7 +656,9 @@ def run_latency(args) -> list[list[str]]:
         return sdpa
 
     for shape, backward in LATENCY_SHAPES:
-        if kernel_head_dim(shape[3], args.head_dims) is None or (backward and args.forward_only):
+        if kernel_head_dim(shape[3], args.head_dims) is None or (
+            backward and kernel_head_dim(shape[3], args.backward_head_dims) is None
+        ):
             continue
         qkv = [torch.randn(shape, device="cuda", dtype=torch.float16, requires_grad=backward) for _ in range(3)]
         dout = torch.randn_like(qkv[0]) if backward else None
@@ -948,12 +950,17 @@ def main(argv=None) -> int:
         f"torch {torch.__version__}",
         flush=True,
     )
+    # The latency table's backward rows: the fp16 backward kernels of any family (a forward-only family's delegate
+    # computes its backward), unless --forward-only.
+    kernels = build_info()["kernels"]
+    fp16_bwd = {k["head_dim"] for k in kernels if k["direction"] == "bwd" and k["dtype"] == "float16"}
+    args.backward_head_dims = [] if args.forward_only else sorted(fp16_bwd)
     if "bwd" not in built["directions"]:
         args.forward_only = True
     bf16_ok = "bf16" in _families.get(family).dtypes and "bfloat16" in built["dtypes"]
-    if not args.dtype and not args.quick:  # the dtypes compiled in (a developer's build may leave one out)
+    if not args.dtype:  # the dtypes compiled in (a developer's build may leave one out); --quick: one of them
         args.dtype = [n for n, t in (("fp16", "float16"), ("bf16", "bfloat16")) if t in built["dtypes"]]
-        args.dtype = [n for n in args.dtype if n == "fp16" or bf16_ok]
+        args.dtype = [n for n in args.dtype if n == "fp16" or bf16_ok][: 1 if args.quick else 2]
     cases = build_cases(args, bf16_ok=bf16_ok, head_dims_ok=built["head_dims"])
     varlen_runs = not args.quick and args.suite in ("default", "varlen") and VARLEN_MIXED[4] in built["head_dims"]
     options_runs = args.suite == "options" and OPTIONS_SHAPE[3] in built["head_dims"]
