@@ -8,6 +8,7 @@
 #pragma once
 
 #include "cuteflash/common/params.h"
+#include "cuteflash/common/tile_scheduler.cuh"
 
 namespace cuteflash {
 
@@ -193,7 +194,7 @@ __device__ __forceinline__ int key_split(FwdParams const& p) { return int(blockI
 template <Variant V, typename Tiles, typename Body>
 __device__ __forceinline__ void for_each_fwd_tile(FwdParams const& p, Tiles const& tiles, Body const& body) {
   const int per_tile = splits_keys<V>(p) ? p.num_splits : 1;  // > 1: a fixed-length batch, body called once
-  for_each_tile<V>(p, int(gridDim.x - 1 - blockIdx.x) / per_tile, tiles, body);
+  for_each_tile<V>(p, heaviest_first_block() / per_tile, tiles, body);
 }
 
 }  // namespace cuteflash

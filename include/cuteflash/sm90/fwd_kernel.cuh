@@ -19,6 +19,7 @@
 #include "cuteflash/common/mask.cuh"
 #include "cuteflash/common/params.h"
 #include "cuteflash/common/softmax.cuh"
+#include "cuteflash/common/tile_scheduler.cuh"
 #include "cuteflash/common/utils.cuh"
 #include "cuteflash/sm90/traits.h"
 
@@ -110,34 +111,6 @@ struct RingState {
     if (++stage == kStages) {
       stage = 0;
       phase ^= 1;
-    }
-  }
-};
-
-// One tile of kBlockM query rows of one (sequence, head).
-struct FwdTile {
-  int m_block, head, batch;
-};
-
-// The tiles of a thread block, from the index t = first(), next(t), ... while valid(t). Not persistent: the one tile
-// of its block index (m_block fastest and from the last down, so that the heaviest causal blocks start first).
-// Persistent (a block per multiprocessor): every gridDim.x-th tile of all, m_block fastest, so that the blocks at work
-// at one time read a few (sequence, head)'s keys and values, which stay in L2 for all of them.
-template <bool kPersistent>
-struct TileScheduler {
-  int m_blocks;  // query blocks per (sequence, head)
-  int nheads;
-  int tiles;
-
-  __device__ __forceinline__ int first() const { return kPersistent ? int(blockIdx.x) : 0; }
-  __device__ __forceinline__ int next(int t) const { return kPersistent ? t + int(gridDim.x) : tiles; }
-  __device__ __forceinline__ bool valid(int t) const { return t < tiles; }
-  __device__ __forceinline__ FwdTile tile(int t) const {
-    if constexpr (kPersistent) {
-      const int bh = t / m_blocks;
-      return {t - bh * m_blocks, bh % nheads, bh / nheads};
-    } else {
-      return {int(gridDim.x - 1 - blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
     }
   }
 };
