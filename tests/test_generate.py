@@ -75,7 +75,7 @@ def test_a_forward_only_family_gets_forward_sources_only(tmp_path):
         assert "// sm80" in find and "sm90" not in find  # (no sm90 backward or decoding kernel: no case)
     # sm80 (family 0) launches its own decoding kernel, and sm90 sm80's
     assert '{"sm80", "", sm80::FamilyTraits::kDecode, 0,' in dispatch
-    assert '{"sm90", "9.0a", sm90::FamilyTraits::kDecode, 0,' in dispatch
+    assert '{"sm90", "9.0a", sm80::FamilyTraits::kDecode, 0,' in dispatch
     assert '"bwd", DType::kFloat16, 64}' in dispatch and dispatch.count('"bwd"') == 4  # sm80's only
 
 
@@ -84,4 +84,4 @@ def test_a_family_whose_decoding_kernel_is_not_compiled_in_says_so(tmp_path):
     assert r.returncode == 0, r.stderr
     assert not [f for f in r.stdout.strip().split(";") if f.startswith("decode_")]
     # decode_family -1: api.cpp's decoding_family raises rather than launch a kernel this build lacks
-    assert '{"sm90", "9.0a", sm90::FamilyTraits::kDecode, -1,' in (tmp_path / "dispatch.cpp").read_text()
+    assert '{"sm90", "9.0a", sm80::FamilyTraits::kDecode, -1,' in (tmp_path / "dispatch.cpp").read_text()

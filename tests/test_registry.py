@@ -25,8 +25,9 @@ def test_each_family_folder_provides_the_launchers_and_traits(family):
     assert (folder / "decode_launch.cuh").exists() == own_decode  # (no unused launcher)
     tiles = (folder / "tiles.h").read_text()
     assert f"namespace cuteflash::{family}" in tiles and "struct FamilyTraits" in tiles
-    for constant in ("kDecode", "kRowsumInDq", "split_tile"):
+    for constant in ("kRowsumInDq", "split_tile", *(["kDecode"] if own_decode else [])):
         assert constant in tiles
+    assert own_decode or "kDecode" not in tiles  # (the host plans with decode_from's)
 
 
 def test_entries_are_consistent():

@@ -19,7 +19,7 @@ What a family's folder provides (the generated sources include these by name):
   another family's decoding kernel: ``decode_from``): ``<name>::run_fwd``, ``run_bwd`` and ``run_decode``, each
   ``template <typename Element, int kHeadDim> void (Params const&, cudaStream_t)``;
 - ``tiles.h``: its tile table and ``<name>::FamilyTraits``, host-safe constants the host plans with
-  (``kDecode``, ``kRowsumInDq``, ``split_tile``).
+  (``kDecode``, but where it launches another family's decoding kernel, ``kRowsumInDq``, ``split_tile``).
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ def dispatch_source(kernels: list[tuple[str, str, str, int]], families: list[str
     """host/registry.h's implementation: the compiled families (index i is families[i]) and their launchers."""
     index = {f: i for i, f in enumerate(families)}
     lines = [HEADER, '#include "cuteflash/host/registry.h"']
-    lines += [f'#include "cuteflash/{f}/tiles.h"' for f in families]
+    traits_of = dict.fromkeys(x for f in families for x in (f, FAMILIES[f].decode_from) if x)  # (kDecode's family too)
+    lines += [f'#include "cuteflash/{f}/tiles.h"' for f in traits_of]
     lines += ["", "namespace cuteflash {", ""]
     lines += [f"bool family_runs_{f}();" for f in families]
     lines += [
@@ -104,9 +105,11 @@ def dispatch_source(kernels: list[tuple[str, str, str, int]], families: list[str
     lines += ["", "std::vector<FamilyInfo> const& compiled_families() {", "  static const std::vector<FamilyInfo> families{"]
     for f in families:
         traits = f"{f}::FamilyTraits"
-        decode_family = index.get(FAMILIES[f].decode_from or f, -1)  # (-1: decode_from's family is not compiled in)
+        decoding = FAMILIES[f].decode_from or f  # the family whose decoding kernel f launches, and its DecodeConfig
+        decode_family = index.get(decoding, -1)  # (-1: that family is not compiled in)
         lines += [
-            f"      {{{_c_string(f)}, {_c_string(targets.get(f, ''))}, {traits}::kDecode, {decode_family}, "
+            f"      {{{_c_string(f)}, {_c_string(targets.get(f, ''))}, {decoding}::FamilyTraits::kDecode, "
+            f"{decode_family}, "
             f"{traits}::kRowsumInDq, &{traits}::split_tile, &family_runs_{f}, &dropout_mask_{f}, &append_kv_{f}}},"
         ]
     lines += ["  };", "  return families;", "}", ""]

@@ -3,7 +3,6 @@
 #pragma once
 
 #include "cuteflash/common/tiles.h"
-#include "cuteflash/decode/config.h"
 #include "cuteflash/sm80/tiles.h"
 
 namespace cuteflash {
@@ -52,11 +51,9 @@ static_assert(sm90_fwd_tiles_fit(kSmemSm90Bytes));
 
 namespace cuteflash::sm90 {
 
-// What the host (host/registry.h, through the generated dispatch) and the shared decoding kernel know of the family.
+// What the host (host/registry.h, through the generated dispatch) knows of the family; its decoding kernel, and the
+// DecodeConfig the host plans it with, are the sm80 family's (the registry's decode_from).
 struct FamilyTraits {
-  // The decoding kernel the family launches is the sm80 family's (the registry's decode_from), which the host plans by
-  // that family's DecodeConfig.
-  static constexpr DecodeConfig kDecode = sm80::FamilyTraits::kDecode;
   // The backward is the sm80 family's (the registry's rule sends it there).
   static constexpr bool kRowsumInDq = sm80::FamilyTraits::kRowsumInDq;
   // The forward tile by which the tiled kernels' key splits are planned: KV-cache calls run the sm80 family's kernels.
