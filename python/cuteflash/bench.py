@@ -937,7 +937,8 @@ def main(argv=None) -> int:
     except (RuntimeError, ValueError) as e:
         print(f"cuteflash.bench: {e}", file=sys.stderr)
         return 2
-    built = build_info()["families"][family]
+    info = build_info()
+    built = info["families"][family]
     cc = torch.cuda.get_device_capability()
     device = {
         "name": torch.cuda.get_device_name(),
@@ -952,15 +953,14 @@ def main(argv=None) -> int:
     )
     # The latency table's backward rows: the fp16 backward kernels of any family (a forward-only family's delegate
     # computes its backward), unless --forward-only.
-    kernels = build_info()["kernels"]
-    fp16_bwd = {k["head_dim"] for k in kernels if k["direction"] == "bwd" and k["dtype"] == "float16"}
+    fp16_bwd = {k["head_dim"] for k in info["kernels"] if k["direction"] == "bwd" and k["dtype"] == "float16"}
     args.backward_head_dims = [] if args.forward_only else sorted(fp16_bwd)
     if "bwd" not in built["directions"]:
         args.forward_only = True
     bf16_ok = "bf16" in _families.get(family).dtypes and "bfloat16" in built["dtypes"]
     if not args.dtype:  # the dtypes compiled in (a developer's build may leave one out); --quick: one of them
-        args.dtype = [n for n, t in (("fp16", "float16"), ("bf16", "bfloat16")) if t in built["dtypes"]]
-        args.dtype = [n for n in args.dtype if n == "fp16" or bf16_ok][: 1 if args.quick else 2]
+        compiled = [n for n, t in (("fp16", "float16"), ("bf16", "bfloat16")) if t in built["dtypes"]]
+        args.dtype = [n for n in compiled if n == "fp16" or bf16_ok][: 1 if args.quick else None]
     cases = build_cases(args, bf16_ok=bf16_ok, head_dims_ok=built["head_dims"])
     varlen_runs = not args.quick and args.suite in ("default", "varlen") and VARLEN_MIXED[4] in built["head_dims"]
     options_runs = args.suite == "options" and OPTIONS_SHAPE[3] in built["head_dims"]

@@ -37,10 +37,9 @@ STEP_HEADS, STEP_HEAD_DIM = 32, 128
 # The math backend's scores of this sequence take 8 * 131072^2 * 2 bytes = 256 GiB; cuteflash's kernels need O(N).
 LONG_TOKENS, LONG_HEADS, LONG_HEAD_DIM = 131072, 8, 128
 REF_BLOCK = 256  # query rows per block of the references
-# ring-flash-attn merges each ring step's partial output with a TorchScript function, which re-specialises (and
-# compiles a kernel) whenever the shapes it sees change: on 4 GPUs a zigzag rank alternates between two, and its steps
-# took 20-80 ms longer for the first 11 (H200s, 8192 tokens per GPU: 59-104 ms, then 30.5; without TorchScript 31.3
-# from the second). A training run pays that once; the timings are taken after it.
+# Steps run before a row is timed: ring-flash-attn merges each ring step's partial output with a TorchScript function,
+# which re-profiles and compiles a kernel whenever the shapes it sees change; from 4 GPUs on, a zigzag rank alternates
+# between two shapes, and its first ten or so steps are slower. A training run pays that once; the timings exclude it.
 WARMUP_STEPS = 12
 # ring-flash-attn's modules and the functions each provides.
 RING_MODULES = {
