@@ -85,16 +85,17 @@ struct RowStats {
   __device__ float lse_log2() const { return lse * 1.4426950408889634f; }
 };
 
-// dq = dq_accum of one (sequence, head) whose region is laid out row-major, (dq_accum_rows, kHeadDim), by the
-// kThreads threads of a thread block: 16-byte loads from L2 (another block's atomics wrote the region; L1
-// may not be coherent with them), kUnroll in flight per thread, 8-byte stores (head_dim is a multiple of 8).
+// dq = dq_accum for rows [row0, row_end) of one (sequence, head) whose region is laid out row-major,
+// (dq_accum_rows, kHeadDim), by the kThreads threads of a thread block: 16-byte loads from L2 (another block's
+// atomics wrote the region; L1 may not be coherent with them), kUnroll in flight per thread, 8-byte stores (head_dim
+// is a multiple of 8).
 template <typename Element, int kHeadDim, int kThreads>
-__device__ void convert_dq_rowmajor(BwdParams const& p, Sequence const& seq, int head) {
+__device__ void convert_dq_rowmajor(BwdParams const& p, Sequence const& seq, int head, int row0, int row_end) {
   constexpr int kChunks = kHeadDim / 4;  // of 4 floats per row
   constexpr int kUnroll = 8;
-  auto const* acc = reinterpret_cast<float4 const*>(dq_accum_region<kHeadDim>(p, seq, head));
-  auto* dq = p.dq.at<Element>(seq.batch, head, seq.q_row0);
-  const int chunks = seq.seqlen_q * kChunks;
+  auto const* acc = reinterpret_cast<float4 const*>(dq_accum_region<kHeadDim>(p, seq, head) + row0 * kHeadDim);
+  auto* dq = p.dq.at<Element>(seq.batch, head, seq.q_row0 + row0);
+  const int chunks = (row_end - row0) * kChunks;
   for (int first = threadIdx.x; first < chunks; first += kThreads * kUnroll) {
     float4 x[kUnroll];
     CUTE_UNROLL

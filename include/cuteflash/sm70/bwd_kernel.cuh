@@ -560,7 +560,8 @@ static __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks) 
     if (last) __threadfence();
   }
   if (__syncthreads_or(last)) {
-    convert_dq_rowmajor<half_t, Traits::kHeadDim, Traits::kNThreads>(p, sequence<V>(p, blockIdx.z), head);
+    const Sequence seq = sequence<V>(p, blockIdx.z);
+    convert_dq_rowmajor<half_t, Traits::kHeadDim, Traits::kNThreads>(p, seq, head, 0, seq.seqlen_q);
   }
 }
 

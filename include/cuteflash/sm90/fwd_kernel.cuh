@@ -21,12 +21,10 @@
 #include "cuteflash/common/softmax.cuh"
 #include "cuteflash/common/tile_scheduler.cuh"
 #include "cuteflash/common/utils.cuh"
+#include "cuteflash/sm90/gmma.cuh"
 #include "cuteflash/sm90/traits.h"
 
 namespace cuteflash::sm90 {
-
-using cutlass::arch::ClusterBarrier;
-using cutlass::arch::ClusterTransactionBarrier;
 
 // The kernel's argument: the TMA descriptors (which hold the operands' addresses) and the params.
 template <typename Traits>
@@ -36,46 +34,6 @@ struct FwdArgs {
   typename Traits::TmaVt tma_v;
   FwdParams p;
 };
-
-// An accumulator fragment of wgmma, ((2, 2, N / 8), MMA_M, MMA_N) (a thread holds column pairs of two rows 8 apart),
-// viewed as (rows, cols) = ((2, MMA_M), (2, N / 8, MMA_N)).
-template <typename Layout>
-__host__ __device__ constexpr auto acc_rowcol_gmma(Layout acc) {
-  static_assert(decltype(rank<0>(acc))::value == 3 && decltype(size<0, 0>(acc))::value == 2);
-  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
-                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
-}
-
-// The same accumulator, converted to 16 bits, as the register A operand of the next wgmma (P in P V): its k16 slices
-// are pairs of n8 column blocks, ((2, 2, 2), MMA_M, (N / 16, MMA_N)); the values stay where they are.
-template <typename Layout>
-__host__ __device__ constexpr auto acc_as_a_operand_gmma(Layout acc) {
-  static_assert(decltype(size<0, 2>(acc))::value % 2 == 0);
-  auto pairs = logical_divide(get<0, 2>(acc), Tile<_2>{});  // (2, N / 16)
-  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(pairs)), get<1>(acc),
-                     coalesce(make_layout(get<0, 1>(pairs), get<2>(acc))));
-}
-
-// c (+)= a b over the k-slices of a and b, issued as one batch of wgmma; kWait: then waits until at most kWait
-// batches are in flight (-1: returns at once, the caller waits with warpgroup_wait). kZeroInit: c = a b (the first
-// slice's product overwrites c, so that no other instruction writes c between products).
-template <bool kZeroInit, int kWait, typename TiledMma, typename TA, typename TB, typename TC>
-__device__ __forceinline__ void gmma(TiledMma& tiled_mma, TA const& a, TB const& b, TC& c) {
-  constexpr bool kRegisterA = !std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>;
-  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(a); ++k) {
-    cute::gemm(tiled_mma, a(_, _, k), b(_, _, k), c);
-    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
-  warpgroup_fence_operand(c);
-  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
-}
 
 // Named barriers (CUTLASS's user ids, 0-7), one of each per consumer warpgroup: its epilogue's, and its turn to issue
 // products (Turns).
@@ -99,19 +57,6 @@ struct Turns {
   }
   __device__ __forceinline__ void end() const {
     if (warpgroup == 0) wait();
-  }
-};
-
-// A ring of kStages buffers: the stage and the phase parity a thread's next use of it waits for.
-template <int kStages>
-struct RingState {
-  int stage = 0;
-  uint32_t phase = 0;
-  __device__ __forceinline__ void advance() {
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
   }
 };
 
@@ -192,33 +137,13 @@ __device__ __forceinline__ void write_o_staged(FwdParams const& p, typename Trai
                            rows_left - warpgroup * 64, p.head_dim);
 }
 
-// The same from registers, no shared memory held: each thread writes its column pairs (4 bytes, which the head dim's
-// multiples of 8 and the 16-byte row strides keep aligned). Slower per tile than write_o_staged (more and narrower
-// stores), but a persistent block loads its next tile's Q meanwhile.
+// The same from registers, no shared memory held (store_acc_direct). Slower per tile than write_o_staged (more and
+// narrower stores), but a persistent block loads its next tile's Q meanwhile.
 template <typename Traits, typename AccO>
 __device__ __forceinline__ void write_o_direct(FwdParams const& p, typename Traits::Element* o, int rows_left,
                                                AccO const& acc_o, int tid) {
-  using Element = typename Traits::Element;
-  auto thr_mma = typename Traits::TiledMmaPV{}.get_thread_slice(tid);
-  Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{}));
-  Tensor cO_rc = make_tensor(cO.data(), acc_rowcol_gmma(cO.layout()));  // (rows, cols) -> (row, col)
-  Tensor rO = make_tensor<Element>(acc_o.layout());
-  convert_fragment_into(acc_o, rO);
-  Tensor rO_rc = make_tensor(rO.data(), acc_rowcol_gmma(rO.layout()));
-  static_assert(decltype(stride<1, 0>(rO_rc))::value == 1 && decltype(size<1, 0>(rO_rc))::value == 2);
-  uint32_t const* words = reinterpret_cast<uint32_t const*>(rO.data());  // column pairs
-  CUTE_UNROLL
-  for (int mi = 0; mi < size<0>(rO_rc); ++mi) {
-    const int row = get<0>(cO_rc(mi, 0));
-    if (row >= rows_left) continue;
-    CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(rO_rc); ni += 2) {
-      const int col = get<1>(cO_rc(mi, ni));
-      if (col < p.head_dim) {
-        *reinterpret_cast<uint32_t*>(o + row * p.o.row_stride + col) = words[rO_rc.layout()(mi, ni) / 2];
-      }
-    }
-  }
+  store_acc_direct<typename Traits::TiledMmaPV, Traits::kBlockM, Traits::kHeadDim>(acc_o, o, p.o.row_stride, rows_left,
+                                                                                   p.head_dim, tid);
 }
 
 // The end of a consumer warpgroup's rows: O /= l and lse = m scale + log(l), then O to global memory (kStaged:

@@ -5,54 +5,11 @@
 // and a CUDA graph captures the kernel's argument by value): nothing keeps one from a call to the next.
 #pragma once
 
-#include <stdexcept>
-#include <string>
-
 #include "cuteflash/host/launch.h"
 #include "cuteflash/sm90/fwd_kernel.cuh"
+#include "cuteflash/sm90/operands.h"
 
 namespace cuteflash::sm90 {
-
-// The calls the kernel computes (the registry's rule, python/cuteflash/_families.py, sends the others to the sm80
-// family): refuses the rest, naming what it lacks.
-inline void check_supported(FwdParams const& p) {
-  char const* missing = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr ? "variable-length batches"
-                        : p.block_table != nullptr || p.seqused_k != nullptr   ? "KV caches"
-                        : needs_general(p)                                     ? "windows, softcap, ALiBi and dropout"
-                        : p.num_splits > 1                                     ? "key splits"
-                                                                               : nullptr;
-  if (missing != nullptr) {
-    throw std::invalid_argument(std::string("cuteflash: the sm90 forward kernels do not compute ") + missing +
-                                "; the sm80 family's kernels do (CUTEFLASH_BACKEND=auto or sm80)");
-  }
-}
-
-// A stride TMA can take for a mode of `extent` elements: a mode of one element is never stepped along, so any stride
-// serves (`packed`, that of a packed layout); TMA takes no stride of 0 (a broadcast view), which the caller copies.
-inline int64_t tma_stride(int64_t stride, int extent, int64_t packed, char const* name) {
-  if (extent == 1) return packed;
-  if (stride == 0) {
-    throw std::invalid_argument(std::string("cuteflash: the sm90 kernels cannot read ") + name +
-                                " with a stride of 0 (an expanded tensor): pass it contiguous");
-  }
-  return stride;
-}
-
-// The (rows, head dim, heads, batch) tensor of operand t with the head dim contiguous, or, kTransposed, its
-// (head dim, rows, heads, batch) view; its strides in elements made TMA-safe (tma_stride).
-template <bool kTransposed, typename Element>
-auto gmem_tensor(Operand const& t, int rows, int head_dim, int heads, int batch, char const* name) {
-  rows = std::max(rows, 1);
-  const int64_t row = tma_stride(t.row_stride, rows, head_dim, name);
-  const int64_t head = tma_stride(t.head_stride, heads, row * rows, name);
-  const int64_t batch_stride = tma_stride(t.batch_stride, batch, head * heads, name);
-  auto ptr = make_gmem_ptr(static_cast<Element const*>(t.ptr));
-  if constexpr (kTransposed) {
-    return make_tensor(ptr, make_shape(head_dim, rows, heads, batch), make_stride(_1{}, row, head, batch_stride));
-  } else {
-    return make_tensor(ptr, make_shape(rows, head_dim, heads, batch), make_stride(row, _1{}, head, batch_stride));
-  }
-}
 
 // kPersistent: a block per multiprocessor, each through its share of the tiles (TileScheduler); else a block per tile.
 template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal>
@@ -80,7 +37,7 @@ void launch_fwd(FwdParams const& p, cudaStream_t stream) {
 
 template <typename Element, int kHeadDim>
 void run_fwd(FwdParams const& p, cudaStream_t stream) {
-  check_supported(p);
+  check_supported(p, "forward");
   // Persistent blocks only for full attention up to head dim 64, the short tiles whose start and end are a large part
   // of their time. Causal tiles differ in their work: the grid's order (heaviest first) and the hardware's placement
   // of blocks as others finish balance them better than a static share would. At larger head dims the persistent

@@ -1,0 +1,96 @@
+// The sm90 family's parts that its kernels share: the mbarriers' types, views of wgmma's accumulators, a batch of
+// wgmma, a ring of buffers' state, and an accumulator tile's store from registers.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "cuteflash/common/utils.cuh"
+
+namespace cuteflash::sm90 {
+
+using cutlass::arch::ClusterBarrier;
+using cutlass::arch::ClusterTransactionBarrier;
+
+// An accumulator fragment of wgmma, ((2, 2, N / 8), MMA_M, MMA_N) (a thread holds column pairs of two rows 8 apart),
+// viewed as (rows, cols) = ((2, MMA_M), (2, N / 8, MMA_N)).
+template <typename Layout>
+__host__ __device__ constexpr auto acc_rowcol_gmma(Layout acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3 && decltype(size<0, 0>(acc))::value == 2);
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
+                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
+}
+
+// The same accumulator, converted to 16 bits, as the register A operand of the next wgmma (P in P V): its k16 slices
+// are pairs of n8 column blocks, ((2, 2, 2), MMA_M, (N / 16, MMA_N)); the values stay where they are.
+template <typename Layout>
+__host__ __device__ constexpr auto acc_as_a_operand_gmma(Layout acc) {
+  static_assert(decltype(size<0, 2>(acc))::value % 2 == 0);
+  auto pairs = logical_divide(get<0, 2>(acc), Tile<_2>{});  // (2, N / 16)
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(pairs)), get<1>(acc),
+                     coalesce(make_layout(get<0, 1>(pairs), get<2>(acc))));
+}
+
+// c (+)= a b over the k-slices of a and b, issued as one batch of wgmma; kWait: then waits until at most kWait
+// batches are in flight (-1: returns at once, the caller waits with warpgroup_wait). kZeroInit: c = a b (the first
+// slice's product overwrites c, so that no other instruction writes c between products).
+template <bool kZeroInit, int kWait, typename TiledMma, typename TA, typename TB, typename TC>
+__device__ __forceinline__ void gmma(TiledMma& tiled_mma, TA const& a, TB const& b, TC& c) {
+  constexpr bool kRegisterA = !std::is_base_of_v<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>;
+  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(tiled_mma, a(_, _, k), b(_, _, k), c);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
+// A ring of kStages buffers: the stage and the phase parity a thread's next use of it waits for.
+template <int kStages>
+struct RingState {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// A warpgroup's accumulator fragment acc of tiled_mma's (kRows, kCols) tile to global memory at `out` (row_stride
+// elements from a row to the next), rows < rows_left and columns < cols: each thread writes its column pairs
+// converted to Element (4 bytes, which the head dim's multiples of 8 and the 16-byte row strides keep aligned).
+// row_stride and cols by reference, the params' own: read from the kernel's parameters where used (taken by value,
+// ptxas kept them in registers throughout, and the persistent forward kernel's code changed).
+template <typename TiledMma, int kRows, int kCols, typename Acc, typename Element>
+__device__ __forceinline__ void store_acc_direct(Acc const& acc, Element* out, int64_t const& row_stride, int rows_left,
+                                                 int const& cols, int tid) {
+  auto thr_mma = TiledMma{}.get_thread_slice(tid);
+  Tensor c = thr_mma.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+  Tensor c_rc = make_tensor(c.data(), acc_rowcol_gmma(c.layout()));  // (rows, cols) -> (row, col)
+  Tensor r = make_tensor<Element>(acc.layout());
+  convert_fragment_into(acc, r);
+  Tensor r_rc = make_tensor(r.data(), acc_rowcol_gmma(r.layout()));
+  static_assert(decltype(stride<1, 0>(r_rc))::value == 1 && decltype(size<1, 0>(r_rc))::value == 2);
+  uint32_t const* words = reinterpret_cast<uint32_t const*>(r.data());  // column pairs
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(r_rc); ++mi) {
+    const int row = get<0>(c_rc(mi, 0));
+    if (row >= rows_left) continue;
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(r_rc); ni += 2) {
+      const int col = get<1>(c_rc(mi, ni));
+      if (col < cols) *reinterpret_cast<uint32_t*>(out + row * row_stride + col) = words[r_rc.layout()(mi, ni) / 2];
+    }
+  }
+}
+
+}  // namespace cuteflash::sm90
