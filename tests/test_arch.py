@@ -107,8 +107,8 @@ def test_cmake_architecture_items():
 
 
 @pytest.fixture
-def released_sm90(monkeypatch):
-    families = tuple(dataclasses.replace(f, released=True) if f.name == "sm90" else f for f in _families.FAMILIES)
+def unreleased_sm90(monkeypatch):
+    families = tuple(dataclasses.replace(f, released=False) if f.name == "sm90" else f for f in _families.FAMILIES)
     monkeypatch.setattr(_families, "FAMILIES", families)
 
 
@@ -123,22 +123,21 @@ def released_sm90(monkeypatch):
         ("8.0;8.6", ["8.0", "8.6"], []),
     ],
 )
-def test_a_released_alongside_family_takes_its_targets_beside_the_other(released_sm90, arch_list, sm80, sm90):
+def test_a_released_alongside_family_takes_its_targets_beside_the_other(arch_list, sm80, sm90):
     sel = parse(arch_list, cuda=(12, 9))
     assert (targets(sel, "sm80"), targets(sel, "sm90")) == (sm80, sm90)
     assert not sel.notes
     assert _arch.family_of(90) == "sm80"
 
 
-def test_a_toolkit_too_old_for_an_alongside_family_leaves_it_out_with_a_note(released_sm90):
+def test_a_toolkit_too_old_for_an_alongside_family_leaves_it_out_with_a_note():
     sel = parse("9.0;9.0+PTX", cuda=(12, 2))
     assert (targets(sel, "sm80"), targets(sel, "sm90")) == (["9.0+PTX"], [])
     assert sel.notes == ["the sm90 kernels need CUDA 12.3 or newer; found CUDA 12.2: not built for 9.0"]
     assert targets(parse("9.0", cuda=(12, 3)), "sm90") == ["9.0a"]
 
 
-def test_an_unreleased_alongside_family_gets_only_its_extra_targets():
-    assert not _families.get("sm90").released
+def test_an_unreleased_alongside_family_gets_only_its_extra_targets(unreleased_sm90):
     sel = parse("8.0;9.0+PTX", cuda=(12, 9))
     assert (targets(sel, "sm80"), targets(sel, "sm90"), sel.notes) == (["8.0", "9.0+PTX"], [], [])
     sel = parse("9.0", cuda=(12, 9), extra={"sm90": "9.0"})
@@ -167,7 +166,7 @@ def test_cmake_mode_prints_the_defines_and_the_extra_targets_with_their_suffix()
     assert "set(CUTEFLASH_ARCH_NOTES)" in out
 
 
-def test_cmake_mode_prints_the_notes_as_a_list(released_sm90, capsys):
+def test_cmake_mode_prints_the_notes_as_a_list(capsys):
     assert _arch.main(["--cmake", "9.0", "--cuda-version", "12.2"]) == 0
     out = capsys.readouterr().out
     note = "the sm90 kernels need CUDA 12.3 or newer, found CUDA 12.2: not built for 9.0"  # (a ';' would split it)
@@ -191,7 +190,7 @@ def run_cmake_mode(*args):
 
 def test_cmake_mode_prints_set_commands():
     out = run_cmake_mode("7.5;8.0;9.0+PTX", "--cuda-version", "13.0", "--extra", "sm70=9.0", "--extra", "sm80=")
-    assert 'set(CUTEFLASH_FAMILIES "sm70;sm80;sm75")' in out
+    assert 'set(CUTEFLASH_FAMILIES "sm70;sm80;sm75;sm90")' in out and 'set(CUTEFLASH_SM90_ARCHS "90a-real")' in out
     assert 'set(CUTEFLASH_SM70_ARCHS "90-real")' in out and 'set(CUTEFLASH_SM75_ARCHS "75-real")' in out
     assert 'set(CUTEFLASH_SM80_ARCHS "80-real;90-real;90-virtual")' in out
     assert 'set(CUTEFLASH_SM80_TARGETS "8.0 9.0+PTX")' in out

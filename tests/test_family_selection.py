@@ -88,9 +88,10 @@ def test_sm80_cannot_be_forced_on_turing(fake_gpu, monkeypatch):
 # ---- The registry's rule: which family computes a call (_families.takes, computing_family, _lib.call_family).
 
 # A build's kernels as the rule reads them (_lib.compiled_kernels): sm90's forward at head dims 64 and 128 in fp16 and
-# at 128 in bf16; sm80's forward and backward at every one of those.
+# at 128 in bf16, its backward at 128 in fp16; sm80's forward and backward at every one of those.
 KERNELS = frozenset(
     [("sm90", "fwd", "fp16", 64), ("sm90", "fwd", "fp16", 128), ("sm90", "fwd", "bf16", 128)]
+    + [("sm90", "bwd", "fp16", 128)]
     + [("sm80", d, t, hd) for d in ("fwd", "bwd") for t in ("fp16", "bf16") for hd in (64, 128)]
 )
 PLAIN = Call("fwd", "fp16", 128)
@@ -102,7 +103,10 @@ PLAIN = Call("fwd", "fp16", 128)
         (PLAIN, "sm90"),
         (Call("fwd", "bf16", 128), "sm90"),
         (Call("fwd", "fp16", 64), "sm90"),
-        (Call("bwd", "fp16", 128), "sm80"),  # sm90 has no backward: sm80's reads its out and lse
+        (Call("bwd", "fp16", 128), "sm90"),
+        (Call("bwd", "fp16", 128, deterministic=True), "sm80"),  # sm80's reads sm90's out and lse
+        (Call("bwd", "fp16", 64), "sm80"),  # no sm90 backward kernel of that head dim (head_dims)
+        (Call("bwd", "fp16", 128, broadcast=True), "sm80"),
         (Call("fwd", "fp16", 128, varlen=True), "sm80"),
         (Call("fwd", "fp16", 128, options=True), "sm80"),
         (Call("fwd", "fp16", 128, cache=True), "sm80"),
@@ -163,8 +167,9 @@ def hopper_build(fake_gpu, monkeypatch):
     return install
 
 
-def test_auto_never_takes_an_unreleased_family(hopper_build):
-    assert not _families.get("sm90").released
+def test_auto_never_takes_an_unreleased_family(hopper_build, monkeypatch):
+    unreleased = tuple(dataclasses.replace(f, released=f.name != "sm90") for f in _families.FAMILIES)
+    monkeypatch.setattr(_families, "FAMILIES", unreleased)
     hopper_build()
     assert _lib.select_family(0) == "sm80"
     assert _lib.call_family(0, PLAIN) == "sm80"
@@ -175,13 +180,11 @@ def test_forced_sm90_computes_its_calls_and_hands_the_others_to_sm80(hopper_buil
     monkeypatch.setenv(_lib.BACKEND_ENV, "sm90")
     assert _lib.select_family(0) == "sm90"
     assert _lib.call_family(0, PLAIN) == "sm90"
-    for call in (Call("bwd", "fp16", 128), Call("fwd", "fp16", 128, varlen=True), Call("fwd", "fp16", 96)):
+    for call in (Call("bwd", "fp16", 64), Call("fwd", "fp16", 128, varlen=True), Call("fwd", "fp16", 96)):
         assert _lib.call_family(0, call) == "sm80"
 
 
-def test_released_sm90_is_auto_on_hopper(hopper_build, monkeypatch):
-    released = tuple(dataclasses.replace(f, released=True) for f in _families.FAMILIES)
-    monkeypatch.setattr(_families, "FAMILIES", released)
+def test_sm90_is_auto_on_hopper(hopper_build):
     hopper_build()
     assert _lib.call_family(0, PLAIN) == "sm90"
     assert _lib.call_family(0, Call("fwd", "fp16", 128, cache=True)) == "sm80"
@@ -192,16 +195,18 @@ def test_the_delegate_must_be_compiled_and_run_here(hopper_build, monkeypatch):
     monkeypatch.setenv(_lib.BACKEND_ENV, "sm90")
     assert _lib.call_family(0, PLAIN) == "sm90"
     with pytest.raises(RuntimeError, match=r"no sm80 kernels.*TORCH_CUDA_ARCH_LIST='9\.0'"):
-        _lib.call_family(0, Call("bwd", "fp16", 128))
+        _lib.call_family(0, Call("bwd", "fp16", 64))
     hopper_build(runs_sm80=False, families={"sm80": "8.0", "sm90": "9.0a"})
     monkeypatch.setenv(_lib.BACKEND_ENV, "sm90")
     with pytest.raises(RuntimeError, match=r"sm80 kernels were compiled for 8\.0, which cannot run on NVIDIA H200"):
         _lib.call_family(0, Call("fwd", "fp16", 128, options=True))
 
 
-def test_a_plan_keeps_its_family(hopper_build):
+def test_a_plan_keeps_its_family(hopper_build, monkeypatch):
     # (a plan's backward starts from the family of its forward, whatever CUTEFLASH_BACKEND says now)
     hopper_build()
-    assert _lib.call_family(0, Call("bwd", "fp16", 128), "sm90") == "sm80"
+    monkeypatch.setenv(_lib.BACKEND_ENV, "sm80")
+    assert _lib.call_family(0, Call("bwd", "fp16", 128), "sm90") == "sm90"
+    assert _lib.call_family(0, Call("bwd", "fp16", 128, deterministic=True), "sm90") == "sm80"
     assert _lib.call_family(0, PLAIN, "sm90") == "sm90"
     assert _lib.call_family(0, PLAIN) == "sm80"

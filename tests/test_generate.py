@@ -59,24 +59,28 @@ def test_head_dims_come_from_the_common_tiles():
     assert gen.HEAD_DIMS == (32, 64, 96, 128, 160, 192, 224, 256)
 
 
-def test_a_forward_only_family_gets_forward_sources_only(tmp_path):
-    r = generate(tmp_path, "--families", "sm80", "sm90", "--headdims", "64", "128", "--targets", "sm90=9.0a")
+def test_a_family_gets_the_kernels_of_its_directions_and_head_dims(tmp_path):
+    # sm90: a backward at head dim 128 only (head_dims), and no decoding kernel of its own (decode_from)
+    r = generate(tmp_path, "--families", "sm80", "sm90", "--headdims", "64", "128", "160", "--targets", "sm90=9.0a")
     assert r.returncode == 0, r.stderr
     files = r.stdout.strip().split(";")
     sm90 = sorted(f for f in files if "_sm90" in f)
-    expected = [f"fwd_sm90_{t}_hd{h}.cu" for t in ("bf16", "fp16") for h in (128, 64)]
-    assert sm90 == sorted(expected + ["probe_sm90.cu"])  # (its decoding kernel is sm80's: decode_from)
-    source = (tmp_path / "fwd_sm90_bf16_hd64.cu").read_text()
-    assert '#include "cuteflash/sm90/fwd_launch.cuh"' in source
-    assert "sm90::run_fwd<cutlass::bfloat16_t, 64>(p, stream);" in source
+    forward = [f"fwd_sm90_{t}_hd{h}.cu" for t in ("bf16", "fp16") for h in (128, 160, 64)]
+    backward = [f"bwd_sm90_{t}_hd128.cu" for t in ("bf16", "fp16")]
+    assert sm90 == sorted(forward + backward + ["probe_sm90.cu"])
+    source = (tmp_path / "bwd_sm90_bf16_hd128.cu").read_text()
+    assert '#include "cuteflash/sm90/bwd_launch.cuh"' in source
+    assert "sm90::run_bwd<cutlass::bfloat16_t, 128>(p, stream);" in source
     dispatch = (tmp_path / "dispatch.cpp").read_text()
-    for name in ("BwdFn find_bwd(", "FwdFn find_decode("):
-        find = dispatch.split(name)[1].split("\n}\n")[0]
-        assert "// sm80" in find and "sm90" not in find  # (no sm90 backward or decoding kernel: no case)
+    find = dispatch.split("FwdFn find_decode(")[1].split("\n}\n")[0]
+    assert "// sm80" in find and "sm90" not in find
+    find = dispatch.split("BwdFn find_bwd(")[1].split("\n}\n")[0]
+    assert "// sm90" in find and "case 160: return &run_bwd_sm80" in find and "run_bwd_sm90_bf16_hd64" not in find
     # sm80 (family 0) launches its own decoding kernel, and sm90 sm80's
     assert '{"sm80", "", sm80::FamilyTraits::kDecode, 0,' in dispatch
     assert '{"sm90", "9.0a", sm80::FamilyTraits::kDecode, 0,' in dispatch
-    assert '"bwd", DType::kFloat16, 64}' in dispatch and dispatch.count('"bwd"') == 4  # sm80's only
+    assert '{1, "bwd", DType::kFloat16, 128}' in dispatch and '{1, "bwd", DType::kFloat16, 64}' not in dispatch
+    assert dispatch.count('"bwd"') == 2 * (3 + 1)  # (sm80 at 3 head dims, sm90 at 1; 2 dtypes)
 
 
 def test_a_family_whose_decoding_kernel_is_not_compiled_in_says_so(tmp_path):

@@ -38,6 +38,7 @@ def test_one_build_covers_every_family(workflow):
     assert {70, 72} == {t.cc for t in selection.targets["sm70"]}
     assert {75} == {t.cc for t in selection.targets["sm75"]}
     assert {80, 86, 89, 90, 100, 120} == {t.cc for t in selection.targets["sm80"]}
+    assert ["9.0a"] == [str(t) for t in selection.targets["sm90"]]
     assert selection.targets["sm80"][-1].ptx  # PTX of the newest target, for GPUs after it
 
 

@@ -24,13 +24,14 @@ What a family's folder provides (the generated sources include these by name):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 # What a call may use beyond a plain one (a fixed-length batch without options or cache): a variable-length batch
 # (cu_seqlens), options (a sliding window, softcap, ALiBi or dropout), a KV cache (read, paged, or appended to), an
-# operand read in place with a stride of 0 over more than one element (an expanded tensor; TMA takes no such stride).
-FEATURES = ("varlen", "options", "cache", "broadcast")
+# operand read in place with a stride of 0 over more than one element (an expanded tensor; TMA takes no such stride), a
+# deterministic backward pass.
+FEATURES = ("varlen", "options", "cache", "broadcast", "deterministic")
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,16 @@ class Family:
     # launches rather than compile its own: its delegate, beside which it is built (alongside), so that the kernel is
     # compiled for the same GPUs once. None: its own, compiled with each of its forward kernels.
     decode_from: str | None = None
+    # The kernel head dims a direction's kernels are compiled for, where not every one (a family with a delegate hands
+    # the others to it).
+    head_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def serves(self, cc: int) -> bool:
         return self.cc_min <= cc and (self.cc_max is None or cc <= self.cc_max)
+
+    def has_kernel(self, direction: str, head_dim: int) -> bool:
+        """Whether the family has a kernel of this direction ("fwd", "bwd") and kernel head dim."""
+        return direction in self.directions and head_dim in self.head_dims.get(direction, (head_dim,))
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -123,13 +131,13 @@ FAMILIES: tuple[Family, ...] = (
         cc_min=90,
         cc_max=90,
         dtypes=("fp16", "bf16"),
-        directions=("fwd",),
+        directions=("fwd", "bwd"),
         cuda_min=(12, 3),
         cuda_max=None,
         fp16_correction=False,
-        build_seconds={"fwd": 38},  # (CUDA 13, sm_90a, every head dim and dtype: 33-44 s, 2-core x86, 2026-11-28)
+        # (CUDA 13, sm_90a, 2-core x86, 2026-11-28: forward 33-44 s a file at every head dim and dtype, backward 33-38)
+        build_seconds={"fwd": 38, "bwd": 35},
         summary="Hopper: TMA, wgmma and warp specialisation (sm_90a)",
-        released=False,
         arch_suffix="a",
         alongside=True,
         # NDEBUG: CUTLASS's and CuTe's run-time assert()s stay out of the kernels. The extended shapes: a wgmma of any
@@ -138,6 +146,9 @@ FAMILIES: tuple[Family, ...] = (
         delegate="sm80",  # (whose lse and out are laid out alike: its backward takes this family's forward)
         features=(),
         decode_from="sm80",
+        # Its backward where it is faster than the sm80 family's (H200, 2026-11-28: 1.18-1.21x at head dim 128,
+        # 0.96-1.02x at 64); its tile takes head dims up to 128 (include/cuteflash/sm90/tiles.h).
+        head_dims={"bwd": (128,)},
     ),
 )
 
@@ -175,6 +186,7 @@ class Call(NamedTuple):
     options: bool = False  # a sliding window, softcap, ALiBi or dropout
     cache: bool = False  # reads a KV cache (paged or not), or appends to one
     broadcast: bool = False  # an operand with a stride of 0 over a dimension of more than one element
+    deterministic: bool = False  # a backward pass asked to be bitwise reproducible
 
 
 def takes(family: Family, call: Call, compiled_kernels) -> bool:
@@ -184,7 +196,8 @@ def takes(family: Family, call: Call, compiled_kernels) -> bool:
     dtype, head dim) of each compiled kernel, in the registry's names (fp16, bf16)."""
     if family.delegate is None:
         return True
-    used = {name for name, on in zip(FEATURES, (call.varlen, call.options, call.cache, call.broadcast)) if on}
+    flags = (call.varlen, call.options, call.cache, call.broadcast, call.deterministic)
+    used = {name for name, on in zip(FEATURES, flags) if on}
     return (
         call.direction in family.directions
         and used <= set(family.features)

@@ -211,6 +211,7 @@ def _family_for(
     cache: bool = False,
     family: str | None = None,
     operands: tuple[torch.Tensor, ...] = (),
+    deterministic: bool = False,
 ) -> str:
     """The kernel family that computes a call on q (head dim a multiple of 8) on its device: the device's family (or
     `family`), or the one it hands the call to (the registry's rule, _families.takes). operands: the tensors the
@@ -223,6 +224,7 @@ def _family_for(
         _has_options(options),
         cache,
         _broadcast(*operands),
+        deterministic,
     )
     return call_family(q.device, call, family)
 
@@ -549,7 +551,7 @@ def bwd_into(
     """Attention backward into dq, dk, dv (shaped like q, k, v; views of a packed gradient are written in
     place). With deterministic, dQ comes from a second kernel instead of fp32 atomics: bitwise
     reproducible, and slower."""
-    family = _family_for("bwd", q, varlen is not None, options)
+    family = _family_for("bwd", q, varlen is not None, options, operands=(q, k, v, dout), deterministic=deterministic)
     if "bwd" not in _families.get(family).directions:  # a family still being built (CUTEFLASH_BACKEND forces it)
         raise NotImplementedError(
             f"cuteflash: the {family} kernels have no backward pass yet; detach the inputs, or leave "
@@ -883,7 +885,15 @@ def _bwd_plan(plan: FwdPlan, dout: torch.Tensor, q, k, v) -> BwdPlan | bool:
     bwd = plan.bwd.get(key)
     if bwd is None:
         # (the family that computes the backward pass, which may not be the forward's: the registry's rule)
-        family = _family_for("bwd", q, plan.varlen, Options(*plan.options[:3]), family=plan.problem.family)
+        family = _family_for(
+            "bwd",
+            q,
+            plan.varlen,
+            Options(*plan.options[:3]),
+            family=plan.problem.family,
+            operands=(q, k, v, dout),
+            deterministic=plan.deterministic,
+        )
         problem = plan.problem._replace(family=family, fp16_correction=_fp16_correction(family))
         batch, nheads, seqlen_q = problem.batch, problem.nheads, problem.seqlen_q
         bwd = False

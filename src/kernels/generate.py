@@ -170,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         (direction, family, dtype, hd)
         for family in args.families
         for direction in args.directions
-        if direction in FAMILIES[family].directions
         for dtype in args.dtypes
         if dtype in FAMILIES[family].dtypes
         for hd in args.headdims
+        if FAMILIES[family].has_kernel(direction, hd)
     ]
     kernels += [("decode", *k[1:]) for k in kernels if k[0] == "fwd" and FAMILIES[k[1]].decode_from is None]
     files = {f"probe_{f}.cu": probe_source(f) for f in args.families}

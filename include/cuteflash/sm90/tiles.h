@@ -36,16 +36,38 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim, bool causal) {
                            : Sm90FwdTile{128, 80, 2};
 }
 
-constexpr bool sm90_fwd_tiles_fit(int smem_bytes) {
+// sm90 backward: a thread block owns block_n keys (64 per consumer warpgroup, two warpgroups), their dK and dV in
+// registers (head_dim / 2 fp32 each a thread: head dims up to 128; the registry builds it at 128, where it is faster
+// than the sm80 family's backward), and walks the query blocks of block_m rows that see them, Q and dO in `stages`
+// buffers each. The shared memory holds K, V, the stages of Q and dO, and two buffers of dS:
+// (2 block_n + 2 stages block_m) x head_dim + 2 block_n x block_m elements.
+struct Sm90BwdTile {
+  int block_m;
+  int block_n;
+  int stages;
+
+  constexpr int smem_bytes(int head_dim, int elem_bytes) const {
+    return ((2 * block_n + 2 * stages * block_m) * head_dim + 2 * block_n * block_m) * elem_bytes;
+  }
+};
+
+constexpr int kSm90BwdMaxHeadDim = 128;
+
+constexpr Sm90BwdTile sm90_bwd_tile(int /*head_dim*/) { return Sm90BwdTile{64, 128, 2}; }
+
+constexpr bool sm90_tiles_fit(int smem_bytes) {
   for (int head_dim : kHeadDims) {
     for (bool causal : {false, true}) {
       // 1 KB for the barriers and the alignment of the swizzled tiles.
       if (sm90_fwd_tile(head_dim, causal).smem_bytes(head_dim, 2) + 1024 > smem_bytes) return false;
     }
+    if (head_dim <= kSm90BwdMaxHeadDim && sm90_bwd_tile(head_dim).smem_bytes(head_dim, 2) + 1024 > smem_bytes) {
+      return false;
+    }
   }
   return true;
 }
-static_assert(sm90_fwd_tiles_fit(kSmemSm90Bytes));
+static_assert(sm90_tiles_fit(kSmemSm90Bytes));
 
 }  // namespace cuteflash
 
@@ -54,8 +76,10 @@ namespace cuteflash::sm90 {
 // What the host (host/registry.h, through the generated dispatch) knows of the family; its decoding kernel, and the
 // DecodeConfig the host plans it with, are the sm80 family's (the registry's decode_from).
 struct FamilyTraits {
-  // The backward is the sm80 family's (the registry's rule sends it there).
-  static constexpr bool kRowsumInDq = sm80::FamilyTraits::kRowsumInDq;
+  // D = rowsum(dO * O) may live in dq's memory: the main kernel reads it before dq is written (from dq_accum, by the
+  // kernel after it). Calls its backward does not take run the sm80 family's, whose rule this is too.
+  static constexpr bool kRowsumInDq = true;
+  static_assert(kRowsumInDq == sm80::FamilyTraits::kRowsumInDq);
   // The forward tile by which the tiled kernels' key splits are planned: KV-cache calls run the sm80 family's kernels.
   static constexpr TileConfig split_tile(int head_dim) { return sm80::FamilyTraits::split_tile(head_dim); }
 };

@@ -121,11 +121,103 @@ struct FwdTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
 
+// One backward kernel's shapes: kBlockN keys per thread block (64 per consumer warpgroup, which holds their dK and dV
+// in registers), kBlockM query rows per step, kStages buffers of Q and of dO.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWarpgroups = kBlockN / 64;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kNThreads = 128 + kConsumerThreads;  // warpgroup 0 loads
+  // dQ's columns are split between the two consumer warpgroups (below).
+  static_assert(kConsumerWarpgroups == 2 && kBlockM == 64 && kHeadDim % 16 == 0);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  // Warpgroup w owns keys [64 w, 64 w + 64) of the block. Per step, both operands from shared memory:
+  //   S^T = K Q^T and dP^T = V dO^T, (kBlockN, kBlockM) over the head dim;
+  // with P^T and dS^T from registers (the accumulators' layout is the A operand's), Q and dO as MN-major B operands:
+  //   dV += P^T dO and dK += dS^T Q, (kBlockN, kHeadDim) over the step's query rows;
+  // and, dS^T through shared memory, dQ = dS K, (kBlockM, kHeadDim) over the block's keys, warpgroup w computing
+  // the head dim's half w.
+  using WarpgroupRows = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+  using WarpgroupCols = Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>;
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+      WarpgroupRows{}));
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      WarpgroupRows{}));
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      WarpgroupCols{}));
+
+  // A tile and its transpose are two views of one buffer: K-major atoms stacked along the rows first and MN-major
+  // atoms stacked along the columns first place every element alike. K's swizzle follows half its head dim, so
+  // that each warpgroup's half of K^T in dQ = dS K starts at a swizzle atom.
+  using SmemLayoutQ = decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kHeadDim>(),
+                                             Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // also dO
+  using SmemLayoutQt = decltype(tile_to_shape(smem_atom<GMMA::Major::MN, Element, kHeadDim>(),
+                                              Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+  using SmemLayoutK =
+      decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kHeadDim / 2>(), Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutKt = decltype(tile_to_shape(smem_atom<GMMA::Major::MN, Element, kHeadDim / 2>(),
+                                              Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{}));
+  using SmemLayoutV =
+      decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kHeadDim>(), Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // dS^T, (kBlockN, kBlockM), two buffers (a step writes one while the other may still be read by the step before's
+  // dQ in the other warpgroup); as dS, (kBlockM, kBlockN), the MN-major A operand of dQ.
+  using SmemLayoutdSt =
+      decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kBlockM>(), Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));
+  using SmemLayoutdS = decltype(tile_to_shape(smem_atom<GMMA::Major::MN, Element, kBlockM>(),
+                                              Shape<Int<kBlockM>, Int<kBlockN>, _2>{}, Step<_2, _1, _3>{}));
+
+  using GmemShape = Shape<int, int, int, int>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor =
+      decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));  // also dO
+  using TmaK =
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaV =
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>> v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdSt>> ds;
+    // mbarriers: K and V loaded (once); stage s of Q and dO loaded (one barrier for both), and released by every
+    // consumer warpgroup.
+    uint64_t kv_full;
+    uint64_t q_full[kStages];
+    uint64_t q_empty[kStages];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+};
+
 // The traits of head dim kHeadDim's kernel, causal or not (tiles.h).
 template <typename Element, int kHeadDim, bool kCausal>
 struct FwdTraitsSelect {
   static constexpr Sm90FwdTile kTile = sm90_fwd_tile(kHeadDim, kCausal);
   using type = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
+};
+
+// The backward traits of head dim kHeadDim (tiles.h).
+template <typename Element, int kHeadDim>
+struct BwdTraitsSelect {
+  static constexpr Sm90BwdTile kTile = sm90_bwd_tile(kHeadDim);
+  using type = BwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
 };
 
 }  // namespace cuteflash::sm90

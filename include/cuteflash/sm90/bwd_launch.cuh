@@ -1,0 +1,47 @@
+// Host side of the sm90 backward: D = rowsum(dO * O) (and dq_accum zeroed), the TMA descriptors of the call's
+// operands and the dK/dV/dQ kernel, then dq from dq_accum. Included by the generated
+// src/kernels/bwd_sm90_<dtype>_hd<D>.cu files only.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include "cuteflash/host/launch_common.cuh"
+#include "cuteflash/host/launch.h"
+#include "cuteflash/sm90/bwd_kernel.cuh"
+#include "cuteflash/sm90/operands.h"
+
+namespace cuteflash::sm90 {
+
+template <typename Element, int kHeadDim>
+void run_bwd(BwdParams const& p, cudaStream_t stream) {
+  static_assert(kHeadDim <= kSm90BwdMaxHeadDim);
+  check_supported(p, "backward");
+  if (p.deterministic) {
+    throw std::invalid_argument(
+        "cuteflash: the sm90 backward kernels do not compute deterministic passes; the sm80 family's kernels do "
+        "(CUTEFLASH_BACKEND=auto or sm80)");
+  }
+  using Traits = typename BwdTraitsSelect<Element, kHeadDim>::type;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  require_smem(Traits::kSmemBytes, "sm90 backward", kHeadDim);
+  launch_bwd_preprocess<Element, kHeadDim>(p, stream);
+  const int d = p.head_dim;
+  auto tma = [&](Operand const& t, int rows, int heads, auto smem_layout, auto tile, char const* name) {
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(t, rows, d, heads, p.batch, name), smem_layout,
+                         tile, _1{});
+  };
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  BwdArgs<Traits> args{tma(p.q, p.seqlen_q, p.nheads, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, "q"),
+                       tma(p.dout, p.seqlen_q, p.nheads, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, "dout"),
+                       tma(p.k, p.seqlen_k, p.nheads_k, typename Traits::SmemLayoutK{}, TileK{}, "k"),
+                       tma(p.v, p.seqlen_k, p.nheads_k, typename Traits::SmemLayoutV{}, TileK{}, "v"), p};
+  launch(&bwd_kernel<Traits>, dim3(ceil_div(p.seqlen_k, kBlockN), p.nheads, p.batch), Traits::kNThreads,
+         Traits::kSmemBytes, stream, args, "sm90 backward");
+  constexpr int kConvertRows = 64;
+  launch(&convert_dq_kernel<Element, kHeadDim, kConvertRows>,
+         dim3(ceil_div(p.seqlen_q, kConvertRows), p.nheads, p.batch), 128, 0, stream, p, "sm90 dQ conversion");
+}
+
+}  // namespace cuteflash::sm90
