@@ -146,8 +146,8 @@ FAMILIES: tuple[Family, ...] = (
         delegate="sm80",  # (whose lse and out are laid out alike: its backward takes this family's forward)
         features=(),
         decode_from="sm80",
-        # Its backward where it is faster than the sm80 family's (H200, 2026-11-28: 1.18-1.21x at head dim 128,
-        # 0.96-1.02x at 64); its tile takes head dims up to 128 (include/cuteflash/sm90/tiles.h).
+        # Its backward where it is faster than the sm80 family's (at head dim 128, not at 64: docs/performance.md); its
+        # tile takes head dims up to 128 (include/cuteflash/sm90/tiles.h).
         head_dims={"bwd": (128,)},
     ),
 )
