@@ -105,7 +105,7 @@ PLAIN = Call("fwd", "fp16", 128)
         (Call("fwd", "fp16", 64), "sm90"),
         (Call("bwd", "fp16", 128), "sm90"),
         (Call("bwd", "fp16", 128, deterministic=True), "sm80"),  # sm80's reads sm90's out and lse
-        (Call("bwd", "fp16", 64), "sm80"),  # no sm90 backward kernel of that head dim (head_dims)
+        (Call("bwd", "fp16", 64), "sm80"),  # no sm90 backward kernel of that head dim in this build
         (Call("bwd", "fp16", 128, broadcast=True), "sm80"),
         (Call("fwd", "fp16", 128, varlen=True), "sm80"),
         (Call("fwd", "fp16", 128, options=True), "sm80"),

@@ -48,11 +48,6 @@ __device__ __forceinline__ void global_red_add(float* ptr, float x) {
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(ptr), "f"(x) : "memory");
 }
 
-// ptr[0..1] += x[0..1], ptr 8-byte aligned: one vector reduction (sm90, PTX ISA 8.1: CUDA 12.1 or newer).
-__device__ __forceinline__ void global_red_add_v2(float* ptr, float const* x) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(x[0]), "f"(x[1]) : "memory");
-}
-
 // ptr[0..3] += x[0..3], ptr 16-byte aligned: one vector reduction (sm90, PTX ISA 8.1: CUDA 12.1 or newer).
 __device__ __forceinline__ void global_red_add_v4(float* ptr, float const* x) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3])

@@ -7,8 +7,10 @@
 // and, per query block, computes with the scores transposed (keys in rows, the accumulators' M):
 //   S^T = K Q^T, dP^T = V dO^T  ->  P^T = exp(scale S^T - lse), dS^T = scale P^T (dP^T - D)  ->
 //   dV += P^T dO, dK += dS^T Q (P^T and dS^T from registers)  ->  dS^T to shared memory  ->
-//   dQ = dS K over the block's keys (its half of the head dim), added to dq_accum with fp32 reductions
-// dK and dV stay in registers until the end; a last kernel converts dq_accum into dq.
+//   dQ = dS K over the block's keys (its half of the head dim)  ->  dQ to shared memory, added to dq_accum by one
+//   bulk fp32 reduction (cp.reduce.async.bulk) a warpgroup, which runs while the next step computes
+// The next block's S^T runs on the tensor cores while a step stores its dQ, and the rows' lse and D come through
+// shared memory (fetch_stat). dK and dV stay in registers until the end; a last kernel converts dq_accum into dq.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -36,6 +38,8 @@ struct BwdArgs {
 
 // The named barrier (CUTLASS's user ids) at which both consumer warpgroups have written their rows of dS^T.
 constexpr uint32_t kDsWrittenBarrier = 1;
+// The named barriers (2 + w) at which consumer warpgroup w's threads have written their dQ to shared memory.
+constexpr uint32_t kDqWrittenBarrier = 2;
 
 // The producer's thread: K and V of key block n_block, then Q and dO of each query block in `queries`, in order.
 template <typename Traits>
@@ -82,19 +86,75 @@ __device__ __forceinline__ void load_bwd(BwdArgs<Traits> const& args, typename T
   }
 }
 
-// dq_accum += acc_dq, the (kBlockM, kHeadDim) tile of query block m_block that tiled_mma's warpgroups computed, with
-// 8-byte fp32 reductions (whole blocks: dq_accum's region has rows up to a multiple of 128 past seqlen_q).
+// Where element i of a consumer thread's dQ accumulator lives in a query block's dQ (kBlockM x kHeadDim floats), in
+// shared memory and in dq_accum alike: each warpgroup's half of the block is contiguous (one bulk reduction), and
+// in it elements i..i+3 of thread t are at [i * 128 + 4 t] (16-byte stores a thread, conflict-free; the accumulator's
+// own row-major order would put a warp's stores on eight rows of one bank group). convert_dq_kernel reads them back.
+template <typename Traits>
+__device__ __forceinline__ int dq_slot(int tid, int i) {
+  return (tid / 128) * (Traits::kBlockM * Traits::kHeadDim / 2) + i * 128 + 4 * (tid % 128);
+}
+
+// The dq_accum block of query block m_block (whole blocks: the region has rows up to a multiple of 128 past
+// seqlen_q).
+template <typename Traits>
+__device__ __forceinline__ float* dq_accum_block(BwdParams const& p, Sequence const& seq, int head, int m_block) {
+  return dq_accum_region<Traits::kHeadDim>(p, seq, head) + m_block * Traits::kBlockM * Traits::kHeadDim;
+}
+
+// dq_accum += this warpgroup's half of query block m_block's dQ: the accumulator to shared memory (dq_slot), then one
+// bulk reduction, issued by the warpgroup's first thread (which waits for its reads of shared memory before the
+// warpgroup's next write: cute::tma_store_wait).
 template <typename Traits, typename AccDq>
-__device__ __forceinline__ void add_dq(BwdParams const& p, Sequence const& seq, int head, int m_block,
-                                       AccDq const& acc_dq, int tid) {
-  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-  auto thr_mma = typename Traits::TiledMmadQ{}.get_thread_slice(tid);
-  Tensor c = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  float* region = dq_accum_region<kHeadDim>(p, seq, head) + m_block * kBlockM * kHeadDim;
-  static_assert(decltype(size<0, 0>(acc_dq))::value == 2);  // column pairs, side by side in registers
+__device__ __forceinline__ void add_dq(BwdParams const& p, typename Traits::SharedStorage& smem, Sequence const& seq,
+                                       int head, int m_block, AccDq const& acc_dq, int tid) {
+  constexpr int kHalf = Traits::kBlockM * Traits::kHeadDim / 2;
+  float* sdq = smem.dq.data();
+  static_assert(decltype(size(acc_dq))::value % 4 == 0);
   CUTE_UNROLL
-  for (int i = 0; i < size(acc_dq); i += 2) {
-    global_red_add_v2(region + get<0>(c(i)) * kHeadDim + get<1>(c(i)), &acc_dq(i));
+  for (int i = 0; i < size(acc_dq); i += 4) {
+    *reinterpret_cast<float4*>(sdq + dq_slot<Traits>(tid, i)) =
+        make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3));
+  }
+  cutlass::arch::fence_view_async_shared();  // the stores are visible to the bulk reduction
+  cutlass::arch::NamedBarrier::sync(128, kDqWrittenBarrier + tid / 128);
+  if (tid % 128 == 0) {
+    const int half = (tid / 128) * kHalf;
+    bulk_reduce_add(dq_accum_block<Traits>(p, seq, head, m_block) + half, sdq + half, kHalf * int(sizeof(float)));
+    cute::tma_store_arrive();
+  }
+}
+
+// The rows' statistics of the query blocks in flight, in shared memory (SharedStorage::lse_log2 and d, a stage per
+// block), a value a consumer thread: lse * log2(e) of row t (threads t < kBlockM) and D of row t - kBlockM (the next
+// kBlockM; rows past seqlen_q: P = 0 and dS = 0). A step loads the next block's early and stores them into the
+// other stage before its barrier at dS, past which every consumer reads them; the stage's readers of two blocks
+// before passed the barrier of the step before.
+template <typename Traits>
+__device__ __forceinline__ float fetch_stat(BwdParams const& p, Sequence const& seq, int64_t row_stats, int m_block,
+                                            int tid) {
+  const RowStats row(p, row_stats, m_block * Traits::kBlockM + tid % Traits::kBlockM, seq.seqlen_q);
+  return tid < Traits::kBlockM ? row.lse_log2() : row.d;
+}
+
+template <typename Traits>
+__device__ __forceinline__ void store_stat(typename Traits::SharedStorage& smem, int stage, float x, int tid) {
+  if (tid < 2 * Traits::kBlockM) (tid < Traits::kBlockM ? smem.lse_log2 : smem.d)[stage][tid % Traits::kBlockM] = x;
+}
+
+// The mask on this thread's scores of query block m_block and key block n_block, transposed: s (keys, query rows) and
+// cS_rc, their (key, row) in the tile.
+template <typename Traits, typename Scores, typename Coords>
+__device__ __forceinline__ void mask_transposed(BwdParams const& p, Sequence const& seq, int m_block, int n_block,
+                                                Scores& s, Coords const& cS_rc) {
+  const auto mask = mask_policy<Variant::kFixed>(p, seq);
+  CUTE_UNROLL
+  for (int ni = 0; ni < size<1>(s); ++ni) {
+    const int key_end = mask.key_end(m_block * Traits::kBlockM + get<1>(cS_rc(0, ni)));
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(s); ++mi) {
+      if (n_block * Traits::kBlockN + get<0>(cS_rc(mi, ni)) >= key_end) s(mi, ni) = -INFINITY;
+    }
   }
 }
 
@@ -147,34 +207,28 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
     ClusterTransactionBarrier::wait(&smem.kv_full, 0);
     RingState<Traits::kStages> ring;
     int ds_stage = 0;
-    auto step = [&](int m_block, auto masked) __attribute__((always_inline)) {
-      // lse * log2(e) and D of this thread's query rows (rows past seqlen_q: P = 0, dS = 0), loaded under S^T.
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // outlives a step (below)
+    auto issue_s = [&]() __attribute__((always_inline)) {
+      ClusterTransactionBarrier::wait(&smem.q_full[ring.stage], ring.phase);
+      gmma<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, ring.stage), acc_s);
+    };
+    auto step = [&](int m_block, auto masked, auto has_next) __attribute__((always_inline)) {
+      // lse * log2(e) and D of this thread's query rows; this thread's share of the next block's (fetch_stat).
       float lse_log2[kCols], d[kCols];
       CUTE_UNROLL
       for (int ni = 0; ni < kCols; ++ni) {
-        const RowStats row(p, row_stats, m_block * kBlockM + get<1>(cS_rc(0, ni)), seq.seqlen_q);
-        lse_log2[ni] = row.lse_log2();
-        d[ni] = row.d;
+        lse_log2[ni] = smem.lse_log2[ring.stage][get<1>(cS_rc(0, ni))];
+        d[ni] = smem.d[ring.stage][get<1>(cS_rc(0, ni))];
       }
-      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      const int next_stage = ring.stage + 1 == Traits::kStages ? 0 : ring.stage + 1;
+      float next_stat = 0.f;
+      if constexpr (decltype(has_next)::value) next_stat = fetch_stat<Traits>(p, seq, row_stats, m_block + 1, tid);
+      warpgroup_wait<0>();  // S^T, issued by the step before, is done; dP^T runs under the exponentials
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-      ClusterTransactionBarrier::wait(&smem.q_full[ring.stage], ring.phase);
-      gmma<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, ring.stage), acc_s);
       gmma<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, ring.stage), acc_dp);
-      warpgroup_wait<1>();  // S^T is done
       warpgroup_fence_operand(acc_s);
       Tensor s = make_tensor(acc_s.data(), acc_rowcol_gmma(acc_s.layout()));  // (keys, rows)
-      if constexpr (decltype(masked)::value) {
-        const auto mask = mask_policy<Variant::kFixed>(p, seq);
-        CUTE_UNROLL
-        for (int ni = 0; ni < kCols; ++ni) {
-          const int key_end = mask.key_end(m_block * kBlockM + get<1>(cS_rc(0, ni)));
-          CUTE_UNROLL
-          for (int mi = 0; mi < size<0>(s); ++mi) {
-            if (n_block * kBlockN + get<0>(cS_rc(mi, ni)) >= key_end) s(mi, ni) = -INFINITY;
-          }
-        }
-      }
+      if constexpr (decltype(masked)::value) mask_transposed<Traits>(p, seq, m_block, n_block, s, cS_rc);
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(s); ++mi) {
         CUTE_UNROLL
@@ -201,23 +255,47 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
       // dQ of the step before: each passed this step's barrier only after its own dQ was done).
       copy(ds_copy, ds_thr.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
       cutlass::arch::fence_view_async_shared();  // the stores are visible to wgmma
+      if constexpr (decltype(has_next)::value) store_stat<Traits>(smem, next_stage, next_stat, tid);
+      // Past this barrier the warpgroup writes its dQ buffer again: the step before's bulk reduction has read it.
+      if (is_signaling) cute::tma_store_wait<0>();
       cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsWrittenBarrier);
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      gmma<true, 0>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, acc_dq);  // and dV, dK before it
+      gmma<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, acc_dq);
+      warpgroup_wait<1>();  // dV and dK are done: P^T and dS^T in registers, Q and dO in shared memory are free
+      warpgroup_fence_operand(rP);
+      warpgroup_fence_operand(rdS);
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(acc_dk);
       if (is_signaling) ClusterBarrier::arrive(&smem.q_empty[ring.stage]);
       ring.advance();
       ds_stage ^= 1;
-      add_dq<Traits>(p, seq, head, m_block, acc_dq, tid);
-    };
-    for (int m_block = queries.begin; m_block < queries.end; ++m_block) {
-      if (queries.masked(m_block)) {
-        step(m_block, cute::true_type{});
+      if constexpr (decltype(has_next)::value) {
+        issue_s();
+        warpgroup_wait<1>();  // dQ is done
       } else {
-        step(m_block, cute::false_type{});
+        warpgroup_wait<0>();
+      }
+      warpgroup_fence_operand(acc_dq);
+
+      add_dq<Traits>(p, smem, seq, head, m_block, acc_dq, tid);
+    };
+    // The first block's statistics, which every consumer reads past this barrier, and its S^T. A step issues the next
+    // block's S^T before it waits for its own dQ, so S^T is in flight on every path into the loop's next iteration
+    // (ptxas keeps the wgmma pipelined only then): the last block is stepped outside the loop, with the mask (which
+    // leaves an unmasked block as it is).
+    store_stat<Traits>(smem, 0, fetch_stat<Traits>(p, seq, row_stats, queries.begin, tid), tid);
+    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsWrittenBarrier);
+    issue_s();
+    int m_block = queries.begin;
+    for (; m_block + 1 < queries.end; ++m_block) {
+      if (queries.masked(m_block)) {
+        step(m_block, cute::true_type{}, cute::true_type{});
+      } else {
+        step(m_block, cute::false_type{}, cute::true_type{});
       }
     }
+    step(m_block, cute::true_type{}, cute::false_type{});
+    if (is_signaling) bulk_wait_all();  // dq_accum holds the sums before the block ends
   }
 
   // dK and dV of this warpgroup's keys (a key block no query sees gets zeros).
@@ -267,12 +345,28 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
 }
 
-// dq = dq_accum (row-major regions), kBlockM rows of one (sequence, head) per thread block.
-template <typename Element, int kHeadDim, int kRows>
-static __global__ void __launch_bounds__(128) convert_dq_kernel(const BwdParams p) {
+// dq = dq_accum of one query block of one (sequence, head) per thread block, a thread per consumer thread of the main
+// kernel: its slots (dq_slot; 16-byte loads from L2, which the other blocks' reductions wrote) to the rows and
+// columns its dQ accumulator held, column pairs as 4-byte stores.
+template <typename Traits>
+static __global__ void __launch_bounds__(Traits::kConsumerThreads) convert_dq_kernel(const BwdParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
   const Sequence seq = sequence<Variant::kFixed>(p, int(blockIdx.z));
-  const int row0 = int(blockIdx.x) * kRows;
-  convert_dq_rowmajor<Element, kHeadDim, 128>(p, seq, int(blockIdx.y), row0, min(row0 + kRows, seq.seqlen_q));
+  const int head = int(blockIdx.y), m_block = int(blockIdx.x), tid = int(threadIdx.x);
+  Tensor acc_dq = partition_fragment_C(typename Traits::TiledMmadQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  float const* block = dq_accum_block<Traits>(p, seq, head, m_block);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); i += 4) {
+    const float4 x = __ldcg(reinterpret_cast<float4 const*>(block + dq_slot<Traits>(tid, i)));
+    acc_dq(i) = x.x;
+    acc_dq(i + 1) = x.y;
+    acc_dq(i + 2) = x.z;
+    acc_dq(i + 3) = x.w;
+  }
+  Element* dq = p.dq.at<Element>(seq.batch, head, seq.q_row0 + m_block * kBlockM);
+  store_acc_direct<typename Traits::TiledMmadQ, kBlockM, kHeadDim>(acc_dq, dq, p.dq.row_stride,
+                                                                   seq.seqlen_q - m_block * kBlockM, p.head_dim, tid);
 }
 
 }  // namespace cuteflash::sm90

@@ -39,9 +39,8 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
                        tma(p.v, p.seqlen_k, p.nheads_k, typename Traits::SmemLayoutV{}, TileK{}, "v"), p};
   launch(&bwd_kernel<Traits>, dim3(ceil_div(p.seqlen_k, kBlockN), p.nheads, p.batch), Traits::kNThreads,
          Traits::kSmemBytes, stream, args, "sm90 backward");
-  constexpr int kConvertRows = 64;
-  launch(&convert_dq_kernel<Element, kHeadDim, kConvertRows>,
-         dim3(ceil_div(p.seqlen_q, kConvertRows), p.nheads, p.batch), 128, 0, stream, p, "sm90 dQ conversion");
+  launch(&convert_dq_kernel<Traits>, dim3(ceil_div(p.seqlen_q, kBlockM), p.nheads, p.batch), Traits::kConsumerThreads,
+         0, stream, p, "sm90 dQ conversion");
 }
 
 }  // namespace cuteflash::sm90

@@ -52,6 +52,18 @@ __device__ __forceinline__ void gmma(TiledMma& tiled_mma, TA const& a, TB const&
   if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
 }
 
+// dst[0, bytes / 4) += src[0, bytes / 4) in fp32, from shared to global memory: one bulk reduction, in this thread's
+// bulk async-group that cute::tma_store_arrive commits (cute::tma_store_wait: its reads of src are done). Both
+// addresses 16-byte aligned, bytes a multiple of 16.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, float const* src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
+               "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes)
+               : "memory");
+}
+
+// Waits until this thread's bulk async-groups are complete: their writes done, not only their reads.
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
 // A ring of kStages buffers: the stage and the phase parity a thread's next use of it waits for.
 template <int kStages>
 struct RingState {

@@ -197,6 +197,9 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdSt>> ds;
+    alignas(128) cute::array_aligned<float, kBlockM * kHeadDim> dq;  // the step's dQ, for the bulk reductions
+    float lse_log2[kStages][kBlockM];  // the rows' lse * log2(e) and D, a stage per query block in flight
+    float d[kStages][kBlockM];
     // mbarriers: K and V loaded (once); stage s of Q and dO loaded (one barrier for both), and released by every
     // consumer warpgroup.
     uint64_t kv_full;
