@@ -223,7 +223,7 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
       const int next_stage = ring.stage + 1 == Traits::kStages ? 0 : ring.stage + 1;
       float next_stat = 0.f;
       if constexpr (decltype(has_next)::value) next_stat = fetch_stat<Traits>(p, seq, row_stats, m_block + 1, tid);
-      warpgroup_wait<0>();  // S^T, issued by the step before, is done; dP^T runs under the exponentials
+      warpgroup_wait<0>();  // S^T (issued before this step) is done; dP^T runs under the exponentials
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       gmma<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, ring.stage), acc_dp);
       warpgroup_fence_operand(acc_s);

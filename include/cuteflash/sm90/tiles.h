@@ -37,17 +37,19 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim, bool causal) {
 }
 
 // sm90 backward: a thread block owns block_n keys (64 per consumer warpgroup, two warpgroups), their dK and dV in
-// registers (head_dim / 2 fp32 each a thread: head dims up to 128; the registry builds it at 128, where it is faster
-// than the sm80 family's backward), and walks the query blocks of block_m rows that see them, Q and dO in `stages`
-// buffers each. The shared memory holds K, V, the stages of Q and dO, and two buffers of dS:
-// (2 block_n + 2 stages block_m) x head_dim + 2 block_n x block_m elements.
+// registers (head_dim / 2 fp32 each a thread: head dims up to 128; the registry builds it at the head dims where it is
+// faster than the sm80 family's backward), and walks the query blocks of block_m rows that see them, Q and dO in
+// `stages` buffers each. The shared memory holds K, V, the stages of Q and dO, and two buffers of dS,
+// (2 block_n + 2 stages block_m) x head_dim + 2 block_n x block_m elements, and in fp32 a block's dQ and the stages'
+// lse and D, block_m x head_dim + 2 stages block_m.
 struct Sm90BwdTile {
   int block_m;
   int block_n;
   int stages;
 
   constexpr int smem_bytes(int head_dim, int elem_bytes) const {
-    return ((2 * block_n + 2 * stages * block_m) * head_dim + 2 * block_n * block_m) * elem_bytes;
+    return ((2 * block_n + 2 * stages * block_m) * head_dim + 2 * block_n * block_m) * elem_bytes +
+           (block_m * head_dim + 2 * stages * block_m) * 4;
   }
 };
 
