@@ -248,12 +248,12 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
       convert_fragment_into(acc_dp, rdS);
       gmma<false, -1>(mma_dkv, make_tensor(rP.data(), acc_as_a_operand_gmma(rP.layout())), tdVrdOt(_, _, _, ring.stage),
                       acc_dv);
+      // dS^T to shared memory, for both warpgroups' dQ (its other buffer may still be read by the other warpgroup's
+      // dQ of the step before: each passed this step's barrier only after its own dQ was done); before dK's wgmma,
+      // which takes dS^T's registers as its A operand (no other instruction may access them while it runs).
+      copy(ds_copy, ds_thr.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
       gmma<false, -1>(mma_dkv, make_tensor(rdS.data(), acc_as_a_operand_gmma(rdS.layout())),
                       tdKrQt(_, _, _, ring.stage), acc_dk);
-
-      // dS^T to shared memory, for both warpgroups' dQ (its other buffer may still be read by the other warpgroup's
-      // dQ of the step before: each passed this step's barrier only after its own dQ was done).
-      copy(ds_copy, ds_thr.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
       cutlass::arch::fence_view_async_shared();  // the stores are visible to wgmma
       if constexpr (decltype(has_next)::value) store_stat<Traits>(smem, next_stage, next_stat, tid);
       // Past this barrier the warpgroup writes its dQ buffer again: the step before's bulk reduction has read it.
