@@ -6,9 +6,10 @@
 // (full: loaded; empty: both consumer warpgroups are done with it). Consumer warpgroup w owns keys [64 w, 64 w + 64)
 // and, per query block, computes with the scores transposed (keys in rows, the accumulators' M):
 //   S^T = K Q^T, dP^T = V dO^T  ->  P^T = exp(scale S^T - lse), dS^T = scale P^T (dP^T - D)  ->
-//   dV += P^T dO, dK += dS^T Q (P^T and dS^T from registers)  ->  dS^T to shared memory  ->
-//   dQ = dS K over the block's keys (its half of the head dim)  ->  dQ to shared memory, added to dq_accum by one
-//   bulk fp32 reduction (cp.reduce.async.bulk) a warpgroup, which runs while the next step computes
+//   dV += P^T dO, dK += dS^T Q (P^T and dS^T from registers; dS^T to shared memory first)  ->
+//   dQ = dS K over the block's keys (its half of the head dim, or of the rows in 128-row blocks)  ->  dQ to shared
+//   memory, added to dq_accum by one bulk fp32 reduction (cp.reduce.async.bulk) a warpgroup, which runs while the
+//   next step computes
 // The next block's S^T runs on the tensor cores while a step stores its dQ, and the rows' lse and D come through
 // shared memory (fetch_stat). dK and dV stay in registers until the end; a last kernel converts dq_accum into dq.
 #pragma once
@@ -200,7 +201,8 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
 
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
     Tensor cS_rc = make_tensor(cS.data(), acc_rowcol_gmma(cS.layout()));  // (keys, query rows) -> (key, row)
-    constexpr int kCols = decltype(size<1>(cS_rc))::value;
+    constexpr int kCols = decltype(size<1>(cS_rc))::value;                // query rows a thread holds
+    constexpr bool kEarlyD = kCols <= 16;
     const int64_t row_stats = seq.stats(p, head);
     const bool is_signaling = tid % 128 == 0;  // one arrival per warpgroup releases a buffer
 
@@ -213,12 +215,13 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
       gmma<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, ring.stage), acc_s);
     };
     auto step = [&](int m_block, auto masked, auto has_next) __attribute__((always_inline)) {
-      // lse * log2(e) and D of this thread's query rows; this thread's share of the next block's (fetch_stat).
-      float lse_log2[kCols], d[kCols];
+      // lse * log2(e) and D of this thread's query rows (D read where it is used at 128 rows, for the registers);
+      // this thread's share of the next block's (fetch_stat).
+      float lse_log2[kCols], d[kEarlyD ? kCols : 1];
       CUTE_UNROLL
       for (int ni = 0; ni < kCols; ++ni) {
         lse_log2[ni] = smem.lse_log2[ring.stage][get<1>(cS_rc(0, ni))];
-        d[ni] = smem.d[ring.stage][get<1>(cS_rc(0, ni))];
+        if constexpr (kEarlyD) d[ni] = smem.d[ring.stage][get<1>(cS_rc(0, ni))];
       }
       const int next_stage = ring.stage + 1 == Traits::kStages ? 0 : ring.stage + 1;
       float next_stat = 0.f;
@@ -240,7 +243,10 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(dp); ++mi) {
         CUTE_UNROLL
-        for (int ni = 0; ni < kCols; ++ni) dp(mi, ni) = s(mi, ni) * p.softmax_scale * (dp(mi, ni) - d[ni]);
+        for (int ni = 0; ni < kCols; ++ni) {
+          const float d_row = kEarlyD ? d[ni] : smem.d[ring.stage][get<1>(cS_rc(0, ni))];
+          dp(mi, ni) = s(mi, ni) * p.softmax_scale * (dp(mi, ni) - d_row);
+        }
       }
       Tensor rP = make_tensor<Element>(acc_s.layout());
       Tensor rdS = make_tensor<Element>(acc_dp.layout());

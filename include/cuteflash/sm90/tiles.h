@@ -55,7 +55,9 @@ struct Sm90BwdTile {
 
 constexpr int kSm90BwdMaxHeadDim = 128;
 
-constexpr Sm90BwdTile sm90_bwd_tile(int /*head_dim*/) { return Sm90BwdTile{64, 128, 2}; }
+// 128 query rows a step up to head dim 64 (the step's products then carry as much work as at 128, and dQ's wgmma are
+// 64 x head_dim a warpgroup), 64 above (S^T, dP^T and the rows' statistics fill the registers).
+constexpr Sm90BwdTile sm90_bwd_tile(int head_dim) { return Sm90BwdTile{head_dim <= 64 ? 128 : 64, 128, 2}; }
 
 constexpr bool sm90_tiles_fit(int smem_bytes) {
   for (int head_dim : kHeadDims) {

@@ -133,8 +133,11 @@ struct BwdTraits {
   static constexpr int kConsumerWarpgroups = kBlockN / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kNThreads = 128 + kConsumerThreads;  // warpgroup 0 loads
-  // dQ's columns are split between the two consumer warpgroups (below).
-  static_assert(kConsumerWarpgroups == 2 && kBlockM == 64 && kHeadDim % 16 == 0);
+  // dQ's columns (64 rows) or rows (128) are split between the two consumer warpgroups (below).
+  static_assert(kConsumerWarpgroups == 2 && (kBlockM == 64 || kBlockM == 128) && kHeadDim % 16 == 0);
+  static constexpr bool kDqSplitsRows = kBlockM == 128;
+  static constexpr int kDqRows = kDqSplitsRows ? kBlockM / 2 : kBlockM;  // dQ's rows and columns a warpgroup computes
+  static constexpr int kDqCols = kDqSplitsRows ? kHeadDim : kHeadDim / 2;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
@@ -143,7 +146,7 @@ struct BwdTraits {
   // with P^T and dS^T from registers (the accumulators' layout is the A operand's), Q and dO as MN-major B operands:
   //   dV += P^T dO and dK += dS^T Q, (kBlockN, kHeadDim) over the step's query rows;
   // and, dS^T through shared memory, dQ = dS K, (kBlockM, kHeadDim) over the block's keys, warpgroup w computing
-  // the head dim's half w.
+  // the head dim's half w (64 rows) or the rows' half w (128 rows).
   using WarpgroupRows = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
   using WarpgroupCols = Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>;
   using TiledMmaSdP = decltype(make_tiled_mma(
@@ -154,20 +157,20 @@ struct BwdTraits {
                            GMMA::Major::MN>(),
       WarpgroupRows{}));
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
-      WarpgroupCols{}));
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kDqRows>, Int<kDqCols>, Int<kBlockN>>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      std::conditional_t<kDqSplitsRows, WarpgroupRows, WarpgroupCols>{}));
 
   // A tile and its transpose are two views of one buffer: K-major atoms stacked along the rows first and MN-major
-  // atoms stacked along the columns first place every element alike. K's swizzle follows half its head dim, so
-  // that each warpgroup's half of K^T in dQ = dS K starts at a swizzle atom.
+  // atoms stacked along the columns first place every element alike. K's swizzle follows dQ's columns a warpgroup,
+  // so that each warpgroup's half of K^T in dQ = dS K (64 rows) starts at a swizzle atom.
   using SmemLayoutQ = decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kHeadDim>(),
                                              Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // also dO
   using SmemLayoutQt = decltype(tile_to_shape(smem_atom<GMMA::Major::MN, Element, kHeadDim>(),
                                               Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{}));
   using SmemLayoutK =
-      decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kHeadDim / 2>(), Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutKt = decltype(tile_to_shape(smem_atom<GMMA::Major::MN, Element, kHeadDim / 2>(),
+      decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kDqCols>(), Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutKt = decltype(tile_to_shape(smem_atom<GMMA::Major::MN, Element, kDqCols>(),
                                               Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{}));
   using SmemLayoutV =
       decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kHeadDim>(), Shape<Int<kBlockN>, Int<kHeadDim>>{}));
