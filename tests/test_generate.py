@@ -60,7 +60,7 @@ def test_head_dims_come_from_the_common_tiles():
 
 
 def test_a_family_gets_the_kernels_of_its_directions_and_head_dims(tmp_path):
-    # sm90: a backward at head dims 64 and 128 only (head_dims), and no decoding kernel of its own (decode_from)
+    # sm90: a backward up to head dim 128 only (head_dims), and no decoding kernel of its own (decode_from)
     r = generate(tmp_path, "--families", "sm80", "sm90", "--headdims", "64", "128", "160", "--targets", "sm90=9.0a")
     assert r.returncode == 0, r.stderr
     files = r.stdout.strip().split(";")

@@ -146,9 +146,9 @@ FAMILIES: tuple[Family, ...] = (
         delegate="sm80",  # (whose lse and out are laid out alike: its backward takes this family's forward)
         features=(),
         decode_from="sm80",
-        # Its backward at the head dims where it was timed faster than the sm80 family's (docs/performance.md); its
-        # tile takes head dims up to 128 (include/cuteflash/sm90/tiles.h), 32 and 96 untimed.
-        head_dims={"bwd": (64, 128)},
+        # Its backward at the head dims where it was timed faster than the sm80 family's (docs/performance.md): every
+        # one its tile takes (up to 128, include/cuteflash/sm90/tiles.h).
+        head_dims={"bwd": (32, 64, 96, 128)},
     ),
 )
 
