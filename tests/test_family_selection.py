@@ -104,7 +104,7 @@ PLAIN = Call("fwd", "fp16", 128)
         (Call("fwd", "bf16", 128), "sm90"),
         (Call("fwd", "fp16", 64), "sm90"),
         (Call("bwd", "fp16", 128), "sm90"),
-        (Call("bwd", "fp16", 128, deterministic=True), "sm80"),  # sm80's reads sm90's out and lse
+        (Call("bwd", "fp16", 128, deterministic=True), "sm90"),
         (Call("bwd", "fp16", 64), "sm80"),  # no sm90 backward kernel of that head dim in this build
         (Call("bwd", "fp16", 128, broadcast=True), "sm80"),
         (Call("fwd", "fp16", 128, varlen=True), "sm80"),
@@ -207,6 +207,7 @@ def test_a_plan_keeps_its_family(hopper_build, monkeypatch):
     hopper_build()
     monkeypatch.setenv(_lib.BACKEND_ENV, "sm80")
     assert _lib.call_family(0, Call("bwd", "fp16", 128), "sm90") == "sm90"
-    assert _lib.call_family(0, Call("bwd", "fp16", 128, deterministic=True), "sm90") == "sm80"
+    assert _lib.call_family(0, Call("bwd", "fp16", 128, deterministic=True), "sm90") == "sm90"
+    assert _lib.call_family(0, Call("bwd", "fp16", 128, broadcast=True), "sm90") == "sm80"  # sm80's reads sm90's lse
     assert _lib.call_family(0, PLAIN, "sm90") == "sm90"
     assert _lib.call_family(0, PLAIN) == "sm80"

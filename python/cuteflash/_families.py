@@ -144,7 +144,7 @@ FAMILIES: tuple[Family, ...] = (
         # N that is a multiple of 8 (the tiles' 112 and 80 keys), where CuTe otherwise takes several narrower ones.
         defines=("NDEBUG", "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"),
         delegate="sm80",  # (whose lse and out are laid out alike: its backward takes this family's forward)
-        features=(),
+        features=("deterministic",),  # (whose dQ the sm80 family's dQ kernel computes after this family's dK/dV kernel)
         decode_from="sm80",
         # Its backward at the head dims where it was timed faster than the sm80 family's (docs/performance.md): every
         # one its tile takes (up to 128, include/cuteflash/sm90/tiles.h).

@@ -159,8 +159,23 @@ __device__ __forceinline__ void mask_transposed(BwdParams const& p, Sequence con
   }
 }
 
+// dK and dV of this consumer thread's warpgroup's keys of key block n_block (a key block no query sees gets zeros).
+template <typename Traits, typename Acc>
+__device__ __forceinline__ void store_dkdv(BwdParams const& p, Sequence const& seq, int head, int n_block,
+                                           Acc const& acc_dk, Acc const& acc_dv, int tid) {
+  using Element = typename Traits::Element;
+  using Mma = typename Traits::TiledMmadKV;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  const int keys_left = seq.seqlen_k - n_block * kBlockN;
+  Element* dk = p.dk.at<Element>(seq.batch, head, seq.k_row0 + n_block * kBlockN);
+  Element* dv = p.dv.at<Element>(seq.batch, head, seq.k_row0 + n_block * kBlockN);
+  store_acc_direct<Mma, kBlockN, kHeadDim>(acc_dk, dk, p.dk.row_stride, keys_left, p.head_dim, tid);
+  store_acc_direct<Mma, kBlockN, kHeadDim>(acc_dv, dv, p.dv.row_stride, keys_left, p.head_dim, tid);
+}
+
 // A consumer warpgroup's thread (tid: its index among the consumers): the query blocks, then dK and dV of its keys.
-template <typename Traits>
+// kDq: false in a deterministic pass, whose dQ the sm80 family's dQ kernel computes after this one.
+template <typename Traits, bool kDq>
 __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits::SharedStorage& smem,
                                             Sequence const& seq, int head, int n_block, BlockRange const& queries,
                                             int tid) {
@@ -214,6 +229,15 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
       ClusterTransactionBarrier::wait(&smem.q_full[ring.stage], ring.phase);
       gmma<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, ring.stage), acc_s);
     };
+    // The next block's S^T, if any, then the wait for all but it.
+    auto issue_next_s = [&](auto has_next) __attribute__((always_inline)) {
+      if constexpr (decltype(has_next)::value) {
+        issue_s();
+        warpgroup_wait<1>();
+      } else {
+        warpgroup_wait<0>();
+      }
+    };
     auto step = [&](int m_block, auto masked, auto has_next) __attribute__((always_inline)) {
       // lse * log2(e) and D of this thread's query rows (D read where it is used at 128 rows, for the registers);
       // this thread's share of the next block's (fetch_stat).
@@ -257,38 +281,36 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
       // dS^T to shared memory, for both warpgroups' dQ (its other buffer may still be read by the other warpgroup's
       // dQ of the step before: each passed this step's barrier only after its own dQ was done); before dK's wgmma,
       // which takes dS^T's registers as its A operand (no other instruction may access them while it runs).
-      copy(ds_copy, ds_thr.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
+      if constexpr (kDq) copy(ds_copy, ds_thr.retile_S(rdS), tdSsdS(_, _, _, ds_stage));
       gmma<false, -1>(mma_dkv, make_tensor(rdS.data(), acc_as_a_operand_gmma(rdS.layout())),
                       tdKrQt(_, _, _, ring.stage), acc_dk);
-      cutlass::arch::fence_view_async_shared();  // the stores are visible to wgmma
+      if constexpr (kDq) cutlass::arch::fence_view_async_shared();  // the stores are visible to wgmma
       if constexpr (decltype(has_next)::value) store_stat<Traits>(smem, next_stage, next_stat, tid);
       // Past this barrier the warpgroup writes its dQ buffer again: the step before's bulk reduction has read it.
-      if (is_signaling) cute::tma_store_wait<0>();
+      if (kDq && is_signaling) cute::tma_store_wait<0>();
       cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsWrittenBarrier);
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      gmma<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, acc_dq);
-      warpgroup_wait<1>();  // dV and dK are done: P^T and dS^T in registers, Q and dO in shared memory are free
-      warpgroup_fence_operand(rP);
-      warpgroup_fence_operand(rdS);
-      warpgroup_fence_operand(acc_dv);
-      warpgroup_fence_operand(acc_dk);
-      if (is_signaling) ClusterBarrier::arrive(&smem.q_empty[ring.stage]);
-      ring.advance();
-      ds_stage ^= 1;
-      if constexpr (decltype(has_next)::value) {
-        issue_s();
-        warpgroup_wait<1>();  // dQ is done
+      if constexpr (!kDq) {
+        const int stage = ring.stage;
+        ring.advance();
+        issue_next_s(has_next);  // dV and dK are done: P^T and dS^T in registers, Q and dO in shared memory are free
+        warpgroup_fence_operands(rP, rdS, acc_dv, acc_dk);
+        if (is_signaling) ClusterBarrier::arrive(&smem.q_empty[stage]);
       } else {
-        warpgroup_wait<0>();
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        gmma<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, acc_dq);
+        warpgroup_wait<1>();  // dV and dK are done: P^T and dS^T in registers, Q and dO in shared memory are free
+        warpgroup_fence_operands(rP, rdS, acc_dv, acc_dk);
+        if (is_signaling) ClusterBarrier::arrive(&smem.q_empty[ring.stage]);
+        ring.advance();
+        ds_stage ^= 1;
+        issue_next_s(has_next);  // dQ is done
+        warpgroup_fence_operand(acc_dq);
+        add_dq<Traits>(p, smem, seq, head, m_block, acc_dq, tid);
       }
-      warpgroup_fence_operand(acc_dq);
-
-      add_dq<Traits>(p, smem, seq, head, m_block, acc_dq, tid);
     };
-    // The first block's statistics, which every consumer reads past this barrier, and its S^T. A step issues the next
-    // block's S^T before it waits for its own dQ, so S^T is in flight on every path into the loop's next iteration
-    // (ptxas keeps the wgmma pipelined only then): the last block is stepped outside the loop, with the mask (which
-    // leaves an unmasked block as it is).
+    // The first block's statistics (every consumer reads them past this barrier) and S^T. A step issues the next S^T
+    // early, so one is in flight on every path into the loop's next iteration (ptxas keeps the wgmma pipelined only
+    // then): the last block is stepped outside the loop, with the mask (which leaves an unmasked block as it is).
     store_stat<Traits>(smem, 0, fetch_stat<Traits>(p, seq, row_stats, queries.begin, tid), tid);
     cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsWrittenBarrier);
     issue_s();
@@ -301,21 +323,15 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
       }
     }
     step(m_block, cute::true_type{}, cute::false_type{});
-    if (is_signaling) bulk_wait_all();  // dq_accum holds the sums before the block ends
+    if (kDq && is_signaling) bulk_wait_all();  // dq_accum holds the sums before the block ends
   }
 
-  // dK and dV of this warpgroup's keys (a key block no query sees gets zeros).
-  const int keys_left = seq.seqlen_k - n_block * kBlockN;
-  Element* dk = p.dk.at<Element>(seq.batch, head, seq.k_row0 + n_block * kBlockN);
-  Element* dv = p.dv.at<Element>(seq.batch, head, seq.k_row0 + n_block * kBlockN);
-  using Mma = typename Traits::TiledMmadKV;
-  store_acc_direct<Mma, kBlockN, kHeadDim>(acc_dk, dk, p.dk.row_stride, keys_left, p.head_dim, tid);
-  store_acc_direct<Mma, kBlockN, kHeadDim>(acc_dv, dv, p.dv.row_stride, keys_left, p.head_dim, tid);
+  store_dkdv<Traits>(p, seq, head, n_block, acc_dk, acc_dv, tid);
 }
 
 // One thread block per key block of each (sequence, head): fixed-length batches without options (the registry sends
 // the other calls to the sm80 family).
-template <typename Traits>
+template <typename Traits, bool kDq>
 static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     bwd_kernel(CUTLASS_GRID_CONSTANT BwdArgs<Traits> const args) {
   extern __shared__ __align__(1024) char smem_raw[];
@@ -347,7 +363,7 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-    compute_bwd<Traits>(p, smem, seq, head, n_block, queries, int(threadIdx.x) - 128);
+    compute_bwd<Traits, kDq>(p, smem, seq, head, n_block, queries, int(threadIdx.x) - 128);
   }
 }
 

@@ -1,13 +1,12 @@
-// Host side of the sm90 backward: D = rowsum(dO * O) (and dq_accum zeroed), the TMA descriptors of the call's
-// operands and the dK/dV/dQ kernel, then dq from dq_accum. Included by the generated
-// src/kernels/bwd_sm90_<dtype>_hd<D>.cu files only.
+// Host side of the sm90 backward: D = rowsum(dO * O) (and dq_accum zeroed unless the pass is deterministic), the TMA
+// descriptors of the call's operands and the dK/dV/dQ kernel, then dq from dq_accum; or, for a deterministic pass, the
+// dK/dV kernel and then the sm80 family's dQ kernel. Included by the generated src/kernels/bwd_sm90_<dtype>_hd<D>.cu
+// files only.
 #pragma once
-
-#include <stdexcept>
-#include <string>
 
 #include "cuteflash/host/launch_common.cuh"
 #include "cuteflash/host/launch.h"
+#include "cuteflash/sm80/bwd_kernel.cuh"  // the deterministic pass's dQ kernel
 #include "cuteflash/sm90/bwd_kernel.cuh"
 #include "cuteflash/sm90/operands.h"
 
@@ -17,11 +16,6 @@ template <typename Element, int kHeadDim>
 void run_bwd(BwdParams const& p, cudaStream_t stream) {
   static_assert(kHeadDim <= kSm90BwdMaxHeadDim);
   check_supported(p, "backward");
-  if (p.deterministic) {
-    throw std::invalid_argument(
-        "cuteflash: the sm90 backward kernels do not compute deterministic passes; the sm80 family's kernels do "
-        "(CUTEFLASH_BACKEND=auto or sm80)");
-  }
   using Traits = typename BwdTraitsSelect<Element, kHeadDim>::type;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   require_smem(Traits::kSmemBytes, "sm90 backward", kHeadDim);
@@ -37,10 +31,21 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
                        tma(p.dout, p.seqlen_q, p.nheads, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, "dout"),
                        tma(p.k, p.seqlen_k, p.nheads_k, typename Traits::SmemLayoutK{}, TileK{}, "k"),
                        tma(p.v, p.seqlen_k, p.nheads_k, typename Traits::SmemLayoutV{}, TileK{}, "v"), p};
-  launch(&bwd_kernel<Traits>, dim3(ceil_div(p.seqlen_k, kBlockN), p.nheads, p.batch), Traits::kNThreads,
-         Traits::kSmemBytes, stream, args, "sm90 backward");
-  launch(&convert_dq_kernel<Traits>, dim3(ceil_div(p.seqlen_q, kBlockM), p.nheads, p.batch), Traits::kConsumerThreads,
-         0, stream, p, "sm90 dQ conversion");
+  const dim3 grid(ceil_div(p.seqlen_k, kBlockN), p.nheads, p.batch);
+  if (!p.deterministic) {
+    launch(&bwd_kernel<Traits, true>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, args, "sm90 backward");
+    launch(&convert_dq_kernel<Traits>, dim3(ceil_div(p.seqlen_q, kBlockM), p.nheads, p.batch), Traits::kConsumerThreads,
+           0, stream, p, "sm90 dQ conversion");
+    return;
+  }
+  // A deterministic pass: dK and dV by the kernel without dQ, then dQ by the sm80 family's dQ kernel, a block per
+  // query block summing its keys' contributions in order (no atomics).
+  launch(&bwd_kernel<Traits, false>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, args, "sm90 backward dK/dV");
+  using DqT = sm80::DqTraits<Element, kHeadDim>;
+  constexpr int dq_smem = int(sizeof(sm80::DqSharedStorage<DqT>));
+  require_smem(dq_smem, "backward dQ", kHeadDim);
+  launch(&sm80::bwd_dq_kernel<DqT, Variant::kFixed>, dim3(ceil_div(p.seqlen_q, DqT::kBlockM), p.nheads, p.batch),
+         DqT::kNThreads, dq_smem, stream, p, "sm80 backward dQ");
 }
 
 }  // namespace cuteflash::sm90

@@ -52,6 +52,12 @@ __device__ __forceinline__ void gmma(TiledMma& tiled_mma, TA const& a, TB const&
   if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
 }
 
+// warpgroup_fence_operand on each of the fragments.
+template <typename... Fragments>
+__device__ __forceinline__ void warpgroup_fence_operands(Fragments&... fragments) {
+  (warpgroup_fence_operand(fragments), ...);
+}
+
 // dst[0, bytes / 4) += src[0, bytes / 4) in fp32, from shared to global memory: one bulk reduction, in this thread's
 // bulk async-group that cute::tma_store_arrive commits (cute::tma_store_wait: its reads of src are done). Both
 // addresses 16-byte aligned, bytes a multiple of 16.
