@@ -12,6 +12,7 @@
 //   next step computes
 // The next block's S^T runs on the tensor cores while a step stores its dQ, and the rows' lse and D come through
 // shared memory (fetch_stat). dK and dV stay in registers until the end; a last kernel converts dq_accum into dq.
+// A deterministic pass runs bwd_kernel<Traits, false>, without dQ, and then the sm80 family's dQ kernel.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -37,7 +38,8 @@ struct BwdArgs {
   BwdParams p;
 };
 
-// The named barrier (CUTLASS's user ids) at which both consumer warpgroups have written their rows of dS^T.
+// The named barrier (CUTLASS's user ids) at which both consumer warpgroups have written their rows of dS^T (and the
+// next block's statistics, which is all it orders without dQ).
 constexpr uint32_t kDsWrittenBarrier = 1;
 // The named barriers (2 + w) at which consumer warpgroup w's threads have written their dQ to shared memory.
 constexpr uint32_t kDqWrittenBarrier = 2;

@@ -135,6 +135,8 @@ struct BwdTraits {
   static constexpr int kNThreads = 128 + kConsumerThreads;  // warpgroup 0 loads
   // dQ's columns (64 rows) or rows (128) are split between the two consumer warpgroups (below).
   static_assert(kConsumerWarpgroups == 2 && (kBlockM == 64 || kBlockM == 128) && kHeadDim % 16 == 0);
+  // A step waits for the next block's Q and dO (its S^T) before it releases its own buffers.
+  static_assert(kStages >= 2);
   static constexpr bool kDqSplitsRows = kBlockM == 128;
   static constexpr int kDqRows = kDqSplitsRows ? kBlockM / 2 : kBlockM;  // dQ's rows and columns a warpgroup computes
   static constexpr int kDqCols = kDqSplitsRows ? kHeadDim : kHeadDim / 2;
