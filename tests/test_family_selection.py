@@ -211,3 +211,10 @@ def test_a_plan_keeps_its_family(hopper_build, monkeypatch):
     assert _lib.call_family(0, Call("bwd", "fp16", 128, broadcast=True), "sm90") == "sm80"  # sm80's reads sm90's lse
     assert _lib.call_family(0, PLAIN, "sm90") == "sm90"
     assert _lib.call_family(0, PLAIN) == "sm80"
+
+
+def test_a_family_limited_to_some_head_dims_has_only_those_kernels():
+    # head_dims: a direction's kernels at some kernel head dims only (the others go to the delegate)
+    limited = dataclasses.replace(_families.get("sm90"), head_dims={"bwd": (64,)})
+    assert limited.has_kernel("bwd", 64) and not limited.has_kernel("bwd", 128) and limited.has_kernel("fwd", 128)
+    assert not dataclasses.replace(limited, directions=("fwd",)).has_kernel("bwd", 64)

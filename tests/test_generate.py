@@ -60,13 +60,13 @@ def test_head_dims_come_from_the_common_tiles():
 
 
 def test_a_family_gets_the_kernels_of_its_directions_and_head_dims(tmp_path):
-    # sm90: a backward up to head dim 128 only (head_dims), and no decoding kernel of its own (decode_from)
+    # sm90: both directions at every head dim, and no decoding kernel of its own (decode_from)
     r = generate(tmp_path, "--families", "sm80", "sm90", "--headdims", "64", "128", "160", "--targets", "sm90=9.0a")
     assert r.returncode == 0, r.stderr
     files = r.stdout.strip().split(";")
     sm90 = sorted(f for f in files if "_sm90" in f)
     forward = [f"fwd_sm90_{t}_hd{h}.cu" for t in ("bf16", "fp16") for h in (128, 160, 64)]
-    backward = [f"bwd_sm90_{t}_hd{h}.cu" for t in ("bf16", "fp16") for h in (128, 64)]
+    backward = [f"bwd_sm90_{t}_hd{h}.cu" for t in ("bf16", "fp16") for h in (128, 160, 64)]
     assert sm90 == sorted(forward + backward + ["probe_sm90.cu"])
     source = (tmp_path / "bwd_sm90_bf16_hd128.cu").read_text()
     assert '#include "cuteflash/sm90/bwd_launch.cuh"' in source
@@ -75,12 +75,13 @@ def test_a_family_gets_the_kernels_of_its_directions_and_head_dims(tmp_path):
     find = dispatch.split("FwdFn find_decode(")[1].split("\n}\n")[0]
     assert "// sm80" in find and "sm90" not in find
     find = dispatch.split("BwdFn find_bwd(")[1].split("\n}\n")[0]
-    assert "// sm90" in find and "case 160: return &run_bwd_sm80" in find and "run_bwd_sm90_bf16_hd64" in find
+    assert "// sm90" in find and "case 160: return &run_bwd_sm90_fp16_hd160" in find
+    assert "run_bwd_sm90_bf16_hd64" in find
     # sm80 (family 0) launches its own decoding kernel, and sm90 sm80's
     assert '{"sm80", "", sm80::FamilyTraits::kDecode, 0,' in dispatch
     assert '{"sm90", "9.0a", sm80::FamilyTraits::kDecode, 0,' in dispatch
-    assert '{1, "bwd", DType::kFloat16, 64}' in dispatch and '{1, "bwd", DType::kFloat16, 160}' not in dispatch
-    assert dispatch.count('"bwd"') == 2 * (3 + 2)  # (sm80 at 3 head dims, sm90 at 2; 2 dtypes)
+    assert '{1, "bwd", DType::kFloat16, 64}' in dispatch and '{1, "bwd", DType::kFloat16, 160}' in dispatch
+    assert dispatch.count('"bwd"') == 2 * (3 + 3)  # (sm80 and sm90 at 3 head dims; 2 dtypes)
 
 
 def test_a_family_whose_decoding_kernel_is_not_compiled_in_says_so(tmp_path):

@@ -146,9 +146,6 @@ FAMILIES: tuple[Family, ...] = (
         delegate="sm80",  # (whose lse and out are laid out alike: its backward takes this family's forward)
         features=("deterministic",),  # (whose dQ the sm80 family's dQ kernel computes after this family's dK/dV kernel)
         decode_from="sm80",
-        # Its backward at the head dims where it was timed faster than the sm80 family's (docs/performance.md): every
-        # one its tile takes (up to 128, include/cuteflash/sm90/tiles.h).
-        head_dims={"bwd": (32, 64, 96, 128)},
     ),
 )
 

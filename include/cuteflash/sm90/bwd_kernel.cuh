@@ -3,16 +3,20 @@
 // After D = rowsum(dO * O) (common/bwd_preprocess.cuh), a thread block owns kBlockN keys of one (sequence, head) and
 // walks the query blocks that see them, recomputing P from Q, K and the forward's log-sum-exp. Warpgroup 0 is the
 // producer: one thread issues the TMA loads of K and V once, then of Q and dO block by block into kStages buffers
-// (full: loaded; empty: both consumer warpgroups are done with it). Consumer warpgroup w owns keys [64 w, 64 w + 64)
-// and, per query block, computes with the scores transposed (keys in rows, the accumulators' M):
+// (full: loaded; empty: both consumer warpgroups are done with it). The two consumer warpgroups compute, per query
+// block, with the scores transposed (keys in rows, the accumulators' M):
 //   S^T = K Q^T, dP^T = V dO^T  ->  P^T = exp(scale S^T - lse), dS^T = scale P^T (dP^T - D)  ->
-//   dV += P^T dO, dK += dS^T Q (P^T and dS^T from registers; dS^T to shared memory first)  ->
-//   dQ = dS K over the block's keys (its half of the head dim, or of the rows in 128-row blocks)  ->  dQ to shared
-//   memory, added to dq_accum by one bulk fp32 reduction (cp.reduce.async.bulk) a warpgroup, which runs while the
-//   next step computes
-// The next block's S^T runs on the tensor cores while a step stores its dQ, and the rows' lse and D come through
-// shared memory (fetch_stat). dK and dV stay in registers until the end; a last kernel converts dq_accum into dq.
-// A deterministic pass runs bwd_kernel<Traits, false>, without dQ, and then the sm80 family's dQ kernel.
+//   dV += P^T dO, dK += dS^T Q  ->  dQ = dS K over the block's keys, added to dq_accum
+// Up to head dim 128 (compute_bwd) warpgroup w owns keys [64 w, 64 w + 64): P^T and dS^T stay in registers as the A
+// operands of dV and dK (dS^T goes to shared memory too, for dQ), and each warpgroup's half of dQ (of the head dim, or
+// of the rows in 128-row blocks) leaves through shared memory by one bulk fp32 reduction (cp.reduce.async.bulk),
+// which runs while the next step computes; the next block's S^T runs on the tensor cores during the dQ store.
+// Above (compute_bwd_split) a block owns 64 keys that both warpgroups share, warpgroup w computing S^T and dP^T of the
+// rows' half w and dV, dK and dQ of the head dim's half w: P^T and dS^T go through shared memory, and each thread adds
+// its dQ to dq_accum with 16-byte atomic reductions (no room is left for a block's dQ in fp32).
+// The rows' lse and D come through shared memory (fetch_stat). dK and dV stay in registers until the end; a last
+// kernel converts dq_accum into dq. A deterministic pass runs bwd_kernel<Traits, false>, without dQ, and then the
+// sm80 family's dQ kernel.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -161,6 +165,41 @@ __device__ __forceinline__ void mask_transposed(BwdParams const& p, Sequence con
   }
 }
 
+// P^T = exp2(S^T scale log2(e) - lse log2(e)) in place of this thread's scores s (keys, rows); lse_log2[ni]: its
+// row ni's.
+template <typename Scores>
+__device__ __forceinline__ void exp_scores(BwdParams const& p, Scores& s, float const* lse_log2) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(s); ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2_approx(s(mi, ni) * p.softmax_scale_log2 - lse_log2[ni]);
+  }
+}
+
+// dS^T = scale P^T (dP^T - D) in place of dP^T (keys, rows); d_of(ni): D of row ni.
+template <typename Grads, typename Probs, typename DOf>
+__device__ __forceinline__ void grad_scores(BwdParams const& p, Grads& dp, Probs const& s, DOf const& d_of) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(dp); ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(dp); ++ni) dp(mi, ni) = s(mi, ni) * p.softmax_scale * (dp(mi, ni) - d_of(ni));
+  }
+}
+
+// dq_accum += this thread's dQ of query block m_block, 16 bytes an atomic reduction (at its dq_slot addresses).
+template <typename Traits, typename AccDq>
+__device__ __forceinline__ void add_dq_atomic(BwdParams const& p, Sequence const& seq, int head, int m_block,
+                                              AccDq const& acc_dq, int tid) {
+  float* block = dq_accum_block<Traits>(p, seq, head, m_block);
+  static_assert(decltype(size(acc_dq))::value % 4 == 0);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); i += 4) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(block + dq_slot<Traits>(tid, i)), "f"(acc_dq(i)),
+                 "f"(acc_dq(i + 1)), "f"(acc_dq(i + 2)), "f"(acc_dq(i + 3))
+                 : "memory");
+  }
+}
+
 // dK and dV of this consumer thread's warpgroup's keys of key block n_block (a key block no query sees gets zeros).
 template <typename Traits, typename Acc>
 __device__ __forceinline__ void store_dkdv(BwdParams const& p, Sequence const& seq, int head, int n_block,
@@ -173,6 +212,76 @@ __device__ __forceinline__ void store_dkdv(BwdParams const& p, Sequence const& s
   Element* dv = p.dv.at<Element>(seq.batch, head, seq.k_row0 + n_block * kBlockN);
   store_acc_direct<Mma, kBlockN, kHeadDim>(acc_dk, dk, p.dk.row_stride, keys_left, p.head_dim, tid);
   store_acc_direct<Mma, kBlockN, kHeadDim>(acc_dv, dv, p.dv.row_stride, keys_left, p.head_dim, tid);
+}
+
+// A step's scores, once its S^T (acc_s) is issued: lse and D of this thread's query rows (stage's; D read where it is
+// used when a thread holds 32 rows, for the registers), this thread's share of the next block's statistics (returned,
+// kHasNext) and its stage (next_stage), dP^T issued once S^T is done and run under the exponentials. On return acc_s
+// holds P^T and acc_dp dS^T.
+template <typename Traits, bool kMasked, bool kHasNext, typename TiledMma, typename TV, typename TdO, typename Acc,
+          typename Coords>
+__device__ __forceinline__ float probs_and_grads(BwdParams const& p, typename Traits::SharedStorage& smem,
+                                                 Sequence const& seq, int64_t row_stats, int stage, int m_block,
+                                                 int n_block, int tid, TiledMma& mma_sdp, TV const& tdPrV,
+                                                 TdO const& tdPrdO, Acc& acc_s, Acc& acc_dp, Coords const& cS_rc,
+                                                 int& next_stage) {
+  constexpr int kCols = decltype(size<1>(cS_rc))::value;  // query rows a thread holds
+  constexpr bool kEarlyD = kCols <= 16;
+  float lse_log2[kCols], d[kEarlyD ? kCols : 1];
+  CUTE_UNROLL
+  for (int ni = 0; ni < kCols; ++ni) {
+    lse_log2[ni] = smem.lse_log2[stage][get<1>(cS_rc(0, ni))];
+    if constexpr (kEarlyD) d[ni] = smem.d[stage][get<1>(cS_rc(0, ni))];
+  }
+  next_stage = stage + 1 == Traits::kStages ? 0 : stage + 1;
+  float next_stat = 0.f;
+  if constexpr (kHasNext) next_stat = fetch_stat<Traits>(p, seq, row_stats, m_block + 1, tid);
+  warpgroup_wait<0>();  // S^T (issued before this step) is done; dP^T runs under the exponentials
+  gmma<true, -1>(mma_sdp, tdPrV, tdPrdO, acc_dp);
+  warpgroup_fence_operand(acc_s);
+  Tensor s = make_tensor(acc_s.data(), acc_rowcol_gmma(acc_s.layout()));  // (keys, rows)
+  if constexpr (kMasked) mask_transposed<Traits>(p, seq, m_block, n_block, s, cS_rc);
+  exp_scores(p, s, lse_log2);
+  warpgroup_wait<0>();  // dP^T is done
+  warpgroup_fence_operand(acc_dp);
+  Tensor dp = make_tensor(acc_dp.data(), acc_rowcol_gmma(acc_dp.layout()));
+  grad_scores(p, dp, s, [&](int ni) { return kEarlyD ? d[ni] : smem.d[stage][get<1>(cS_rc(0, ni))]; });
+  return next_stat;
+}
+
+// The views of a backward block's shared memory: Q and dO (their stages), their transposes, K, K^T, V, and the buffers
+// of dS^T and of dS.
+template <typename Traits>
+__device__ __forceinline__ auto bwd_smem_views(typename Traits::SharedStorage& smem) {
+  auto view = [](auto* data, auto layout) { return make_tensor(make_smem_ptr(data), layout); };
+  return cute::make_tuple(
+      view(smem.q.data(), typename Traits::SmemLayoutQ{}), view(smem.dout.data(), typename Traits::SmemLayoutQ{}),
+      view(smem.q.data(), typename Traits::SmemLayoutQt{}), view(smem.dout.data(), typename Traits::SmemLayoutQt{}),
+      view(smem.k.data(), typename Traits::SmemLayoutK{}), view(smem.k.data(), typename Traits::SmemLayoutKt{}),
+      view(smem.v.data(), typename Traits::SmemLayoutV{}), view(smem.ds.data(), typename Traits::SmemLayoutdSt{}),
+      view(smem.ds.data(), typename Traits::SmemLayoutdS{}));
+}
+
+// A consumer thread's walk over the query blocks: the first block's statistics (every consumer reads them past this
+// barrier) and S^T (issue_s), then step(m_block, masked, has_next) for each. A step issues the next S^T, so one is in
+// flight on every path into the loop's next iteration (ptxas keeps the wgmma pipelined only then): the last block
+// is stepped outside the loop, with the mask (which leaves an unmasked block as it is).
+template <typename Traits, typename IssueS, typename Step>
+__device__ __forceinline__ void walk_query_blocks(BwdParams const& p, typename Traits::SharedStorage& smem,
+                                                  Sequence const& seq, int64_t row_stats, BlockRange const& queries,
+                                                  int tid, IssueS&& issue_s, Step&& step) {
+  store_stat<Traits>(smem, 0, fetch_stat<Traits>(p, seq, row_stats, queries.begin, tid), tid);
+  cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsWrittenBarrier);
+  issue_s();
+  int m_block = queries.begin;
+  for (; m_block + 1 < queries.end; ++m_block) {
+    if (queries.masked(m_block)) {
+      step(m_block, cute::true_type{}, cute::true_type{});
+    } else {
+      step(m_block, cute::false_type{}, cute::true_type{});
+    }
+  }
+  step(m_block, cute::true_type{}, cute::false_type{});
 }
 
 // A consumer warpgroup's thread (tid: its index among the consumers): the query blocks, then dK and dV of its keys.
@@ -195,15 +304,7 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
   clear(acc_dv);
 
   if (!queries.empty()) {
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
-    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
-    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQt{});
-    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
-    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutV{});
-    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
-    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
+    auto [sQ, sdO, sQt, sdOt, sK, sKt, sV, sdSt, sdS] = bwd_smem_views<Traits>(smem);
     Tensor tSrK = thr_sdp.partition_fragment_A(sK);       // (MMA, MMA_M, MMA_K): descriptors
     Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);       // (MMA, MMA_N, MMA_K, kStages)
     Tensor tdPrV = thr_sdp.partition_fragment_A(sV);      // (MMA, MMA_M, MMA_K)
@@ -218,8 +319,6 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
 
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
     Tensor cS_rc = make_tensor(cS.data(), acc_rowcol_gmma(cS.layout()));  // (keys, query rows) -> (key, row)
-    constexpr int kCols = decltype(size<1>(cS_rc))::value;                // query rows a thread holds
-    constexpr bool kEarlyD = kCols <= 16;
     const int64_t row_stats = seq.stats(p, head);
     const bool is_signaling = tid % 128 == 0;  // one arrival per warpgroup releases a buffer
 
@@ -243,37 +342,11 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
     auto step = [&](int m_block, auto masked, auto has_next) __attribute__((always_inline)) {
       // lse * log2(e) and D of this thread's query rows (D read where it is used at 128 rows, for the registers);
       // this thread's share of the next block's (fetch_stat).
-      float lse_log2[kCols], d[kEarlyD ? kCols : 1];
-      CUTE_UNROLL
-      for (int ni = 0; ni < kCols; ++ni) {
-        lse_log2[ni] = smem.lse_log2[ring.stage][get<1>(cS_rc(0, ni))];
-        if constexpr (kEarlyD) d[ni] = smem.d[ring.stage][get<1>(cS_rc(0, ni))];
-      }
-      const int next_stage = ring.stage + 1 == Traits::kStages ? 0 : ring.stage + 1;
-      float next_stat = 0.f;
-      if constexpr (decltype(has_next)::value) next_stat = fetch_stat<Traits>(p, seq, row_stats, m_block + 1, tid);
-      warpgroup_wait<0>();  // S^T (issued before this step) is done; dP^T runs under the exponentials
+      int next_stage;
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-      gmma<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, ring.stage), acc_dp);
-      warpgroup_fence_operand(acc_s);
-      Tensor s = make_tensor(acc_s.data(), acc_rowcol_gmma(acc_s.layout()));  // (keys, rows)
-      if constexpr (decltype(masked)::value) mask_transposed<Traits>(p, seq, m_block, n_block, s, cS_rc);
-      CUTE_UNROLL
-      for (int mi = 0; mi < size<0>(s); ++mi) {
-        CUTE_UNROLL
-        for (int ni = 0; ni < kCols; ++ni) s(mi, ni) = exp2_approx(s(mi, ni) * p.softmax_scale_log2 - lse_log2[ni]);
-      }
-      warpgroup_wait<0>();  // dP^T is done
-      warpgroup_fence_operand(acc_dp);
-      Tensor dp = make_tensor(acc_dp.data(), acc_rowcol_gmma(acc_dp.layout()));
-      CUTE_UNROLL
-      for (int mi = 0; mi < size<0>(dp); ++mi) {
-        CUTE_UNROLL
-        for (int ni = 0; ni < kCols; ++ni) {
-          const float d_row = kEarlyD ? d[ni] : smem.d[ring.stage][get<1>(cS_rc(0, ni))];
-          dp(mi, ni) = s(mi, ni) * p.softmax_scale * (dp(mi, ni) - d_row);
-        }
-      }
+      const float next_stat = probs_and_grads<Traits, decltype(masked)::value, decltype(has_next)::value>(
+          p, smem, seq, row_stats, ring.stage, m_block, n_block, tid, mma_sdp, tdPrV, tdPrdO(_, _, _, ring.stage),
+          acc_s, acc_dp, cS_rc, next_stage);
       Tensor rP = make_tensor<Element>(acc_s.layout());
       Tensor rdS = make_tensor<Element>(acc_dp.layout());
       convert_fragment_into(acc_s, rP);
@@ -310,22 +383,105 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
         add_dq<Traits>(p, smem, seq, head, m_block, acc_dq, tid);
       }
     };
-    // The first block's statistics (every consumer reads them past this barrier) and S^T. A step issues the next S^T
-    // early, so one is in flight on every path into the loop's next iteration (ptxas keeps the wgmma pipelined only
-    // then): the last block is stepped outside the loop, with the mask (which leaves an unmasked block as it is).
-    store_stat<Traits>(smem, 0, fetch_stat<Traits>(p, seq, row_stats, queries.begin, tid), tid);
-    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsWrittenBarrier);
-    issue_s();
-    int m_block = queries.begin;
-    for (; m_block + 1 < queries.end; ++m_block) {
-      if (queries.masked(m_block)) {
-        step(m_block, cute::true_type{}, cute::true_type{});
-      } else {
-        step(m_block, cute::false_type{}, cute::true_type{});
-      }
-    }
-    step(m_block, cute::true_type{}, cute::false_type{});
+    walk_query_blocks<Traits>(p, smem, seq, row_stats, queries, tid, issue_s, step);
     if (kDq && is_signaling) bulk_wait_all();  // dq_accum holds the sums before the block ends
+  }
+
+  store_dkdv<Traits>(p, seq, head, n_block, acc_dk, acc_dv, tid);
+}
+
+// A consumer thread where the warpgroups split the head dim (Traits::kSplitsHeadDim, 64 keys a block): per query
+// block, warpgroup w computes S^T and dP^T of the block's keys and the rows' half w, writes P^T and dS^T to shared
+// memory, and past the barrier at which both halves are there, dV, dK and dQ of the head dim's half w, every operand
+// from shared memory. Each thread adds its dQ to dq_accum itself (a block's dQ in fp32 would not fit beside the
+// stages of Q and dO).
+template <typename Traits, bool kDq>
+__device__ __forceinline__ void compute_bwd_split(BwdParams const& p, typename Traits::SharedStorage& smem,
+                                                  Sequence const& seq, int head, int n_block, BlockRange const& queries,
+                                                  int tid) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // its half of the head dim
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  if (!queries.empty()) {
+    auto [sQ, sdO, sQt, sdOt, sK, sKt, sV, sdSt, sdS] = bwd_smem_views<Traits>(smem);
+    Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);       // (MMA, MMA_M, MMA_K): descriptors
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);       // (MMA, MMA_N over its half of the rows, MMA_K, kStages)
+    Tensor tdPrV = thr_sdp.partition_fragment_A(sV);      // (MMA, MMA_M, MMA_K)
+    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);    // (MMA, MMA_N, MMA_K, kStages)
+    Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);    // (MMA, MMA_M, MMA_K over rows, 2)
+    Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N over its half of the head dim, MMA_K, kStages)
+    Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
+    Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_K over keys, 2)
+    Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);  // (MMA, MMA_N over its half of the head dim, MMA_K)
+    auto st_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto st_thr = st_copy.get_thread_slice(tid);
+    Tensor tPsP = st_thr.partition_D(sPt);  // (CPY, CPY_M, CPY_N, 2)
+    Tensor tdSsdS = st_thr.partition_D(sdSt);
+
+    Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+    Tensor cS_rc = make_tensor(cS.data(), acc_rowcol_gmma(cS.layout()));  // (keys, query rows) -> (key, row)
+    const int64_t row_stats = seq.stats(p, head);
+    const bool is_signaling = tid % 128 == 0;  // one arrival per warpgroup releases a buffer
+
+    ClusterTransactionBarrier::wait(&smem.kv_full, 0);
+    RingState<Traits::kStages> ring;
+    int buf = 0;                                                                        // the buffer of P^T and dS^T
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // outlives a step
+    auto issue_s = [&]() __attribute__((always_inline)) {
+      ClusterTransactionBarrier::wait(&smem.q_full[ring.stage], ring.phase);
+      gmma<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, ring.stage), acc_s);
+    };
+    auto step = [&](int m_block, auto masked, auto has_next) __attribute__((always_inline)) {
+      int next_stage;
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      const float next_stat = probs_and_grads<Traits, decltype(masked)::value, decltype(has_next)::value>(
+          p, smem, seq, row_stats, ring.stage, m_block, n_block, tid, mma_sdp, tdPrV, tdPrdO(_, _, _, ring.stage),
+          acc_s, acc_dp, cS_rc, next_stage);
+      Tensor rP = make_tensor<Element>(acc_s.layout());
+      Tensor rdS = make_tensor<Element>(acc_dp.layout());
+      convert_fragment_into(acc_s, rP);
+      convert_fragment_into(acc_dp, rdS);
+      // P^T and dS^T to shared memory (the other buffer may still be read by the other warpgroup's products of the
+      // step before: each passed this step's barrier only after its own were done).
+      copy(st_copy, st_thr.retile_S(rP), tPsP(_, _, _, buf));
+      copy(st_copy, st_thr.retile_S(rdS), tdSsdS(_, _, _, buf));
+      cutlass::arch::fence_view_async_shared();  // the stores are visible to wgmma
+      if constexpr (decltype(has_next)::value) store_stat<Traits>(smem, next_stage, next_stat, tid);
+      cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsWrittenBarrier);
+      gmma<false, -1>(mma_dkv, tdVrPt(_, _, _, buf), tdVrdOt(_, _, _, ring.stage), acc_dv);
+      gmma<false, -1>(mma_dkv, tdKrdSt(_, _, _, buf), tdKrQt(_, _, _, ring.stage), acc_dk);
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      if constexpr (kDq) {
+        gmma<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, acc_dq);
+        warpgroup_wait<1>();  // dV and dK are done: Q and dO in shared memory are free
+      } else {
+        warpgroup_wait<0>();
+      }
+      warpgroup_fence_operands(acc_dv, acc_dk);
+      if (is_signaling) ClusterBarrier::arrive(&smem.q_empty[ring.stage]);
+      ring.advance();
+      buf ^= 1;
+      // dQ's reductions, then the next S^T (issued before them, under dQ, it made ptxas spill: 3-4 % slower).
+      if constexpr (kDq) {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dq);
+        add_dq_atomic<Traits>(p, seq, head, m_block, acc_dq, tid);
+      }
+      if constexpr (decltype(has_next)::value) issue_s();
+    };
+    walk_query_blocks<Traits>(p, smem, seq, row_stats, queries, tid, issue_s, step);
   }
 
   store_dkdv<Traits>(p, seq, head, n_block, acc_dk, acc_dv, tid);
@@ -365,7 +521,11 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-    compute_bwd<Traits, kDq>(p, smem, seq, head, n_block, queries, int(threadIdx.x) - 128);
+    if constexpr (Traits::kSplitsHeadDim) {
+      compute_bwd_split<Traits, kDq>(p, smem, seq, head, n_block, queries, int(threadIdx.x) - 128);
+    } else {
+      compute_bwd<Traits, kDq>(p, smem, seq, head, n_block, queries, int(threadIdx.x) - 128);
+    }
   }
 }
 

@@ -14,7 +14,6 @@ namespace cuteflash::sm90 {
 
 template <typename Element, int kHeadDim>
 void run_bwd(BwdParams const& p, cudaStream_t stream) {
-  static_assert(kHeadDim <= kSm90BwdMaxHeadDim);
   check_supported(p, "backward");
   using Traits = typename BwdTraitsSelect<Element, kHeadDim>::type;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;

@@ -36,28 +36,31 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim, bool causal) {
                            : Sm90FwdTile{128, 80, 2};
 }
 
-// sm90 backward: a thread block owns block_n keys (64 per consumer warpgroup, two warpgroups), their dK and dV in
-// registers (head_dim / 2 fp32 each a thread: head dims up to 128; the registry builds it at the head dims where it is
-// faster than the sm80 family's backward), and walks the query blocks of block_m rows that see them, Q and dO in
-// `stages` buffers each. The shared memory holds K, V, the stages of Q and dO, and two buffers of dS,
-// (2 block_n + 2 stages block_m) x head_dim + 2 block_n x block_m elements, and in fp32 a block's dQ and the stages'
-// lse and D, block_m x head_dim + 2 stages block_m.
+// sm90 backward: a thread block owns block_n keys and walks the query blocks of block_m rows that see them, Q and dO
+// in `stages` buffers each; two consumer warpgroups hold the keys' dK and dV in registers (head_dim / 2 fp32 each a
+// thread): 64 keys each up to head dim 128; above, 64 keys together, each warpgroup half of the head dim. The shared
+// memory holds K, V, the stages of Q and dO, and two buffers of dS (and of P above 128), (2 block_n + 2 stages block_m)
+// x head_dim + 2 (or 4) block_n x block_m elements, the stages' lse and D in fp32, and up to 128 a block's dQ in fp32,
+// block_m x head_dim (above, each thread adds its dQ to global memory itself).
 struct Sm90BwdTile {
   int block_m;
   int block_n;
   int stages;
 
+  constexpr bool splits_head_dim() const { return block_n == 64; }
   constexpr int smem_bytes(int head_dim, int elem_bytes) const {
-    return ((2 * block_n + 2 * stages * block_m) * head_dim + 2 * block_n * block_m) * elem_bytes +
-           (block_m * head_dim + 2 * stages * block_m) * 4;
+    return ((2 * block_n + 2 * stages * block_m) * head_dim + (splits_head_dim() ? 4 : 2) * block_n * block_m) *
+               elem_bytes +
+           ((splits_head_dim() ? 0 : block_m * head_dim) + 2 * stages * block_m) * 4;
   }
 };
 
-constexpr int kSm90BwdMaxHeadDim = 128;
-
 // 128 query rows a step up to head dim 64 (the step's products then carry as much work as at 128, and dQ's wgmma are
-// 64 x head_dim a warpgroup), 64 above (S^T, dP^T and the rows' statistics fill the registers).
-constexpr Sm90BwdTile sm90_bwd_tile(int head_dim) { return Sm90BwdTile{head_dim <= 64 ? 128 : 64, 128, 2}; }
+// 64 x head_dim a warpgroup), 64 above (S^T, dP^T and the rows' statistics fill the registers); 64 keys a block above
+// 128 (dK and dV of 64 keys x 256 take 128 registers a thread, split between the warpgroups).
+constexpr Sm90BwdTile sm90_bwd_tile(int head_dim) {
+  return head_dim <= 64 ? Sm90BwdTile{128, 128, 2} : head_dim <= 128 ? Sm90BwdTile{64, 128, 2} : Sm90BwdTile{64, 64, 2};
+}
 
 constexpr bool sm90_tiles_fit(int smem_bytes) {
   for (int head_dim : kHeadDims) {
@@ -65,9 +68,7 @@ constexpr bool sm90_tiles_fit(int smem_bytes) {
       // 1 KB for the barriers and the alignment of the swizzled tiles.
       if (sm90_fwd_tile(head_dim, causal).smem_bytes(head_dim, 2) + 1024 > smem_bytes) return false;
     }
-    if (head_dim <= kSm90BwdMaxHeadDim && sm90_bwd_tile(head_dim).smem_bytes(head_dim, 2) + 1024 > smem_bytes) {
-      return false;
-    }
+    if (sm90_bwd_tile(head_dim).smem_bytes(head_dim, 2) + 1024 > smem_bytes) return false;
   }
   return true;
 }

@@ -121,8 +121,11 @@ struct FwdTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
 
-// One backward kernel's shapes: kBlockN keys per thread block (64 per consumer warpgroup, which holds their dK and dV
-// in registers), kBlockM query rows per step, kStages buffers of Q and of dO.
+// One backward kernel's shapes: kBlockN keys per thread block, kBlockM query rows per step, kStages buffers of Q and
+// of dO. Two consumer warpgroups share a block's keys one of two ways:
+// - kBlockN = 128 (head dims up to 128): warpgroup w owns keys [64 w, 64 w + 64), their dK and dV in its registers;
+// - kBlockN = 64 (above: kSplitsHeadDim): both warpgroups own the 64 keys, warpgroup w columns [w d/2, w d/2 + d/2)
+//   of their dK and dV (d = kHeadDim), so that a thread holds half as many.
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
 struct BwdTraits {
   using Element = Element_;
@@ -130,11 +133,13 @@ struct BwdTraits {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr int kConsumerWarpgroups = kBlockN / 64;
+  static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kNThreads = 128 + kConsumerThreads;  // warpgroup 0 loads
+  static constexpr bool kSplitsHeadDim = kBlockN == 64;
   // dQ's columns (64 rows) or rows (128) are split between the two consumer warpgroups (below).
-  static_assert(kConsumerWarpgroups == 2 && (kBlockM == 64 || kBlockM == 128) && kHeadDim % 16 == 0);
+  static_assert((kBlockN == 128 || (kBlockN == 64 && kBlockM == 64)) && (kBlockM == 64 || kBlockM == 128) &&
+                kHeadDim % 16 == 0);
   // A step waits for the next block's Q and dO (its S^T) before it releases its own buffers.
   static_assert(kStages >= 2);
   static constexpr bool kDqSplitsRows = kBlockM == 128;
@@ -143,32 +148,41 @@ struct BwdTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
-  // Warpgroup w owns keys [64 w, 64 w + 64) of the block. Per step, both operands from shared memory:
-  //   S^T = K Q^T and dP^T = V dO^T, (kBlockN, kBlockM) over the head dim;
-  // with P^T and dS^T from registers (the accumulators' layout is the A operand's), Q and dO as MN-major B operands:
-  //   dV += P^T dO and dK += dS^T Q, (kBlockN, kHeadDim) over the step's query rows;
+  // Per step, both operands from shared memory:
+  //   S^T = K Q^T and dP^T = V dO^T, (kBlockN, kBlockM) over the head dim, warpgroup w computing its 64 keys' rows
+  //   (kBlockN = 128) or the query rows' half w (kBlockN = 64);
+  // then dV += P^T dO and dK += dS^T Q, (kBlockN, kHeadDim) over the step's query rows, Q and dO as MN-major B
+  // operands, with P^T and dS^T from registers (kBlockN = 128: the accumulators' layout is the A operand's) or from
+  // shared memory (kBlockN = 64: each warpgroup needs the other's half, and computes the head dim's half w);
   // and, dS^T through shared memory, dQ = dS K, (kBlockM, kHeadDim) over the block's keys, warpgroup w computing
   // the head dim's half w (64 rows) or the rows' half w (128 rows).
   using WarpgroupRows = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
   using WarpgroupCols = Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>;
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
-      WarpgroupRows{}));
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
-      WarpgroupRows{}));
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<64>, Int<kSplitsHeadDim ? kBlockM / 2 : kBlockM>, Int<kHeadDim>>>(),
+      std::conditional_t<kSplitsHeadDim, WarpgroupCols, WarpgroupRows>{}));
+  using TiledMmadKV = std::conditional_t<
+      kSplitsHeadDim,
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float, Shape<Int<64>, Int<kHeadDim / 2>, Int<kBlockM>>, GMMA::Major::K,
+                               GMMA::Major::MN>(),
+          WarpgroupCols{})),
+      decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<Int<64>, Int<kHeadDim>, Int<kBlockM>>,
+                                                   GMMA::Major::K, GMMA::Major::MN>(),
+                              WarpgroupRows{}))>;
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kDqRows>, Int<kDqCols>, Int<kBlockN>>, GMMA::Major::MN,
                            GMMA::Major::MN>(),
       std::conditional_t<kDqSplitsRows, WarpgroupRows, WarpgroupCols>{}));
 
   // A tile and its transpose are two views of one buffer: K-major atoms stacked along the rows first and MN-major
-  // atoms stacked along the columns first place every element alike. K's swizzle follows dQ's columns a warpgroup,
-  // so that each warpgroup's half of K^T in dQ = dS K (64 rows) starts at a swizzle atom.
-  using SmemLayoutQ = decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kHeadDim>(),
+  // atoms stacked along the columns first place every element alike. The swizzle of K (and of Q and dO where the
+  // head dim is split) follows the columns a warpgroup takes of it, so that each warpgroup's half starts at an atom.
+  static constexpr int kQAtomCols = kSplitsHeadDim ? kHeadDim / 2 : kHeadDim;
+  using SmemLayoutQ = decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kQAtomCols>(),
                                              Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // also dO
-  using SmemLayoutQt = decltype(tile_to_shape(smem_atom<GMMA::Major::MN, Element, kHeadDim>(),
+  using SmemLayoutQt = decltype(tile_to_shape(smem_atom<GMMA::Major::MN, Element, kQAtomCols>(),
                                               Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{}));
   using SmemLayoutK =
       decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kDqCols>(), Shape<Int<kBlockN>, Int<kHeadDim>>{}));
@@ -176,8 +190,9 @@ struct BwdTraits {
                                               Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{}));
   using SmemLayoutV =
       decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kHeadDim>(), Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // dS^T, (kBlockN, kBlockM), two buffers (a step writes one while the other may still be read by the step before's
-  // dQ in the other warpgroup); as dS, (kBlockM, kBlockN), the MN-major A operand of dQ.
+  // dS^T (and P^T where the head dim is split), (kBlockN, kBlockM), two buffers (a step writes one while the other may
+  // still be read by the step before's products in the other warpgroup); as dS, (kBlockM, kBlockN), the MN-major A
+  // operand of dQ.
   using SmemLayoutdSt =
       decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kBlockM>(), Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));
   using SmemLayoutdS = decltype(tile_to_shape(smem_atom<GMMA::Major::MN, Element, kBlockM>(),
@@ -202,7 +217,8 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdSt>> ds;
-    alignas(128) cute::array_aligned<float, kBlockM * kHeadDim> dq;  // the step's dQ, for the bulk reductions
+    // The step's dQ, for the bulk reductions (kBlockN = 128; at 64 each thread adds its own to dq_accum).
+    alignas(128) cute::array_aligned<float, kSplitsHeadDim ? 4 : kBlockM * kHeadDim> dq;
     float lse_log2[kStages][kBlockM];  // the rows' lse * log2(e) and D, a stage per query block in flight
     float d[kStages][kBlockM];
     // mbarriers: K and V loaded (once); stage s of Q and dO loaded (one barrier for both), and released by every
@@ -210,6 +226,8 @@ struct BwdTraits {
     uint64_t kv_full;
     uint64_t q_full[kStages];
     uint64_t q_empty[kStages];
+    // P^T (kBlockN = 64), laid out as dS^T.
+    alignas(kSplitsHeadDim ? 1024 : 16) cute::array_aligned<Element, kSplitsHeadDim ? cosize_v<SmemLayoutdSt> : 8> p;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
