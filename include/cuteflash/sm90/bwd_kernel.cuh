@@ -42,8 +42,9 @@ struct BwdArgs {
   BwdParams p;
 };
 
-// The named barrier (CUTLASS's user ids) at which both consumer warpgroups have written their rows of dS^T (and the
-// next block's statistics, which is all it orders without dQ).
+// The named barrier (CUTLASS's user ids) at which both consumer warpgroups have written their rows of dS^T (of P^T too
+// where the head dim is split, read by the other warpgroup's dV and dK) and the next block's statistics (all it orders
+// in a pass without dQ up to head dim 128).
 constexpr uint32_t kDsWrittenBarrier = 1;
 // The named barriers (2 + w) at which consumer warpgroup w's threads have written their dQ to shared memory.
 constexpr uint32_t kDqWrittenBarrier = 2;
@@ -200,7 +201,8 @@ __device__ __forceinline__ void add_dq_atomic(BwdParams const& p, Sequence const
   }
 }
 
-// dK and dV of this consumer thread's warpgroup's keys of key block n_block (a key block no query sees gets zeros).
+// dK and dV of this consumer thread's warpgroup's part of key block n_block (its keys, or its half of the head dim
+// where that is split; a key block no query sees gets zeros).
 template <typename Traits, typename Acc>
 __device__ __forceinline__ void store_dkdv(BwdParams const& p, Sequence const& seq, int head, int n_block,
                                            Acc const& acc_dk, Acc const& acc_dv, int tid) {

@@ -37,11 +37,11 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim, bool causal) {
 }
 
 // sm90 backward: a thread block owns block_n keys and walks the query blocks of block_m rows that see them, Q and dO
-// in `stages` buffers each; two consumer warpgroups hold the keys' dK and dV in registers (head_dim / 2 fp32 each a
-// thread): 64 keys each up to head dim 128; above, 64 keys together, each warpgroup half of the head dim. The shared
-// memory holds K, V, the stages of Q and dO, and two buffers of dS (and of P above 128), (2 block_n + 2 stages block_m)
-// x head_dim + 2 (or 4) block_n x block_m elements, the stages' lse and D in fp32, and up to 128 a block's dQ in fp32,
-// block_m x head_dim (above, each thread adds its dQ to global memory itself).
+// in `stages` buffers each; two consumer warpgroups hold the keys' dK and dV in registers: 64 keys each up to head dim
+// 128 (head_dim / 2 fp32 of each a thread); above, 64 keys together, each warpgroup half of the head dim (head_dim / 4
+// of each a thread). The shared memory holds K, V, the stages of Q and dO, and two buffers of dS (and of P above 128),
+// (2 block_n + 2 stages block_m) x head_dim + 2 (or 4) block_n x block_m elements, the stages' lse and D in fp32, and
+// up to 128 a block's dQ in fp32, block_m x head_dim (above, each thread adds its dQ to global memory itself).
 struct Sm90BwdTile {
   int block_m;
   int block_n;
