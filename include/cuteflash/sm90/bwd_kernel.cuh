@@ -342,8 +342,6 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
       }
     };
     auto step = [&](int m_block, auto masked, auto has_next) __attribute__((always_inline)) {
-      // lse * log2(e) and D of this thread's query rows (D read where it is used at 128 rows, for the registers);
-      // this thread's share of the next block's (fetch_stat).
       int next_stage;
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       const float next_stat = probs_and_grads<Traits, decltype(masked)::value, decltype(has_next)::value>(
@@ -475,7 +473,7 @@ __device__ __forceinline__ void compute_bwd_split(BwdParams const& p, typename T
       if (is_signaling) ClusterBarrier::arrive(&smem.q_empty[ring.stage]);
       ring.advance();
       buf ^= 1;
-      // dQ's reductions, then the next S^T (issued before them, under dQ, it made ptxas spill: 3-4 % slower).
+      // dQ's reductions, then the next S^T (issued before them, its accumulator beside dQ's makes ptxas spill).
       if constexpr (kDq) {
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dq);

@@ -47,6 +47,7 @@ struct Sm90BwdTile {
   int block_n;
   int stages;
 
+  // 64 keys a block (above head dim 128): the consumer warpgroups split the head dim (BwdTraits::kSplitsHeadDim).
   constexpr bool splits_head_dim() const { return block_n == 64; }
   constexpr int smem_bytes(int head_dim, int elem_bytes) const {
     return ((2 * block_n + 2 * stages * block_m) * head_dim + (splits_head_dim() ? 4 : 2) * block_n * block_m) *

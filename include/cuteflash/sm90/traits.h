@@ -136,7 +136,7 @@ struct BwdTraits {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kNThreads = 128 + kConsumerThreads;  // warpgroup 0 loads
-  static constexpr bool kSplitsHeadDim = kBlockN == 64;
+  static constexpr bool kSplitsHeadDim = Sm90BwdTile{kBlockM, kBlockN, kStages}.splits_head_dim();
   // dQ's columns (64 rows) or rows (128) are split between the two consumer warpgroups (below).
   static_assert((kBlockN == 128 || (kBlockN == 64 && kBlockM == 64)) && (kBlockM == 64 || kBlockM == 128) &&
                 kHeadDim % 16 == 0);
