@@ -107,7 +107,10 @@ PLAIN = Call("fwd", "fp16", 128)
         (Call("bwd", "fp16", 128, deterministic=True), "sm90"),
         (Call("bwd", "fp16", 64), "sm80"),  # no sm90 backward kernel of that head dim in this build
         (Call("bwd", "fp16", 128, broadcast=True), "sm80"),
-        (Call("fwd", "fp16", 128, varlen=True), "sm80"),
+        (Call("fwd", "fp16", 128, varlen=True), "sm90"),
+        (Call("bwd", "fp16", 128, varlen=True, deterministic=True), "sm90"),
+        (Call("bwd", "fp16", 64, varlen=True), "sm80"),  # no sm90 backward kernel of that head dim in this build
+        (Call("fwd", "fp16", 128, varlen=True, options=True), "sm80"),
         (Call("fwd", "fp16", 128, options=True), "sm80"),
         (Call("fwd", "fp16", 128, cache=True), "sm80"),
         (Call("fwd", "fp16", 128, broadcast=True), "sm80"),  # TMA takes no stride of 0
@@ -180,7 +183,8 @@ def test_forced_sm90_computes_its_calls_and_hands_the_others_to_sm80(hopper_buil
     monkeypatch.setenv(_lib.BACKEND_ENV, "sm90")
     assert _lib.select_family(0) == "sm90"
     assert _lib.call_family(0, PLAIN) == "sm90"
-    for call in (Call("bwd", "fp16", 64), Call("fwd", "fp16", 128, varlen=True), Call("fwd", "fp16", 96)):
+    assert _lib.call_family(0, Call("fwd", "fp16", 128, varlen=True)) == "sm90"
+    for call in (Call("bwd", "fp16", 64), Call("fwd", "fp16", 128, varlen=True, options=True), Call("fwd", "fp16", 96)):
         assert _lib.call_family(0, call) == "sm80"
 
 

@@ -122,6 +122,34 @@ def test_varlen_understated_max_seqlen(causal, require_support, assert_close_2x,
         _check_backward(q, k, v, cu_q, cu_k, dout, grads, causal, reference_grads, assert_close_2x)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_rows_past_the_batch_stay_out_of_its_results(
+    head_dim, causal, require_support, require_head_dim, assert_close_2x, reference_grads
+):
+    """q, k, v and dout with rows past cu_seqlens[-1] (a buffer longer than the batch) that hold NaN: every
+    sequence's results are as without them. A kernel that loads whole blocks reads rows past a sequence's end,
+    which the masks leave out with zeros, and a zero times a NaN is not zero."""
+    require_support(torch.float16, backward=True)
+    require_head_dim(head_dim)
+    lengths_q, lengths_k = _lengths(5, 300)
+    q, k, v, cu_q, cu_k = _make_varlen(lengths_q, lengths_k, 2, 2, head_dim, torch.float16, require_support)
+
+    def padded(t):
+        return torch.cat([t, torch.full((37, *t.shape[1:]), float("nan"), device="cuda", dtype=t.dtype)])
+
+    leaves = [padded(t).requires_grad_() for t in (q, k, v)]
+    out, lse, _ = flash_attn_varlen_func(
+        *leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal, return_attn_probs=True
+    )
+    dout = torch.randn_like(q)
+    out.backward(padded(dout))
+    total_q, total_k = q.shape[0], k.shape[0]
+    _check_forward(q, k, v, cu_q, cu_k, out.detach()[:total_q], lse[:, :total_q], causal, assert_close_2x)
+    grads = [leaves[0].grad[:total_q], leaves[1].grad[:total_k], leaves[2].grad[:total_k]]
+    _check_backward(q, k, v, cu_q, cu_k, dout, grads, causal, reference_grads, assert_close_2x)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_equal_lengths_match_fixed_length(causal, dtype, require_support):

@@ -144,7 +144,8 @@ FAMILIES: tuple[Family, ...] = (
         # N that is a multiple of 8 (the tiles' 112 and 80 keys), where CuTe otherwise takes several narrower ones.
         defines=("NDEBUG", "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"),
         delegate="sm80",  # (whose lse and out are laid out alike: its backward takes this family's forward)
-        features=("deterministic",),  # (whose dQ the sm80 family's dQ kernel computes after this family's dK/dV kernel)
+        # (A deterministic pass: its dK/dV kernel, then the sm80 family's dQ kernel.)
+        features=("varlen", "deterministic"),
         decode_from="sm80",
     ),
 )

@@ -14,27 +14,34 @@ struct FwdTile {
   int m_block, head, batch;
 };
 
-// The tiles of a thread block, from the index t = first(), next(t), ... while valid(t). Not persistent: the one tile
-// of its block index (m_block fastest and from the last down, so that the heaviest causal blocks start first).
-// Persistent (a block per multiprocessor): every gridDim.x-th tile of all, m_block fastest, so that the blocks at work
-// at one time read a few (sequence, head)'s keys and values, which stay in L2 for all of them.
-template <bool kPersistent>
+// The tiles of a thread block, from the index t = first(), next(t), ... while valid(t) (and, kVarlen, while the tile
+// lies within its sequence: the caller checks). Not persistent: the grid has a block per query block of each (sequence,
+// head) up to the params' bound, m_block fastest and from the last down (so that the heaviest causal blocks start
+// first); a block takes that one tile, or, kVarlen, that one and every gridDim.x-th after it within its sequence (a
+// variable-length batch's may be longer than the bound, max_seqlen_q). Persistent (a block per multiprocessor, fixed
+// lengths): every gridDim.x-th tile of all, m_block fastest, so that the blocks at work at one time read a few
+// (sequence, head)'s keys and values, which stay in L2 for all of them.
+template <bool kPersistent, bool kVarlen = false>
 struct TileScheduler {
+  static_assert(!(kPersistent && kVarlen));
   int m_blocks;  // query blocks per (sequence, head)
   int nheads;
   int tiles;
 
-  __device__ __forceinline__ int first() const { return kPersistent ? int(blockIdx.x) : 0; }
-  __device__ __forceinline__ int next(int t) const { return kPersistent ? t + int(gridDim.x) : tiles; }
-  __device__ __forceinline__ bool valid(int t) const { return t < tiles; }
+  // (One tile a block, fixed lengths: t = 0 only.)
+  __device__ __forceinline__ int first() const {
+    return kPersistent ? int(blockIdx.x) : kVarlen ? heaviest_first_block() : 0;
+  }
+  __device__ __forceinline__ int next(int t) const { return kPersistent || kVarlen ? t + int(gridDim.x) : 1; }
   __device__ __forceinline__ FwdTile tile(int t) const {
     if constexpr (kPersistent) {
       const int bh = t / m_blocks;
       return {t - bh * m_blocks, bh % nheads, bh / nheads};
     } else {
-      return {heaviest_first_block(), int(blockIdx.y), int(blockIdx.z)};
+      return {kVarlen ? t : heaviest_first_block(), int(blockIdx.y), int(blockIdx.z)};
     }
   }
+  __device__ __forceinline__ bool valid(int t) const { return kVarlen || t < tiles; }
 };
 
 }  // namespace cuteflash

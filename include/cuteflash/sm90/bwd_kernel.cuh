@@ -49,22 +49,32 @@ constexpr uint32_t kDsWrittenBarrier = 1;
 // The named barriers (2 + w) at which consumer warpgroup w's threads have written their dQ to shared memory.
 constexpr uint32_t kDqWrittenBarrier = 2;
 
-// The producer's thread: K and V of key block n_block, then Q and dO of each query block in `queries`, in order.
-template <typename Traits>
+// The producer, for key block n_block: K and V (kVarlen: once the consumers released the block's previous ones,
+// kv_phase: the parity of the block's key blocks with queries before this one), then Q and dO of each query block in
+// `queries`, in order (the ring continues from one key block to the next). One thread (leader), or, kVarlen, the
+// producer's warp, whose leader lane issues the loads: rows past the sequence are zeroed (load_zeroing_tail).
+template <typename Traits, bool kVarlen>
 __device__ __forceinline__ void load_bwd(BwdArgs<Traits> const& args, typename Traits::SharedStorage& smem,
-                                         Sequence const& seq, int head, int n_block, BlockRange const& queries) {
+                                         Sequence const& seq, int head, int n_block, BlockRange const& queries,
+                                         RingState<Traits::kStages>& ring, uint32_t kv_phase, uint32_t& landed_phase,
+                                         bool leader) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   BwdParams const& p = args.p;
   const int head_k = head / (p.nheads / p.nheads_k);
-  auto q_shape = make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch);
-  auto k_shape = make_shape(p.seqlen_k, p.head_dim, p.nheads_k, p.batch);
-  Tensor gQ = local_tile(args.tma_q.get_tma_tensor(q_shape)(_, _, head, seq.batch),
+  const GmemExtent extent = GmemExtent::of(p, kVarlen);
+  auto q_shape = make_shape(extent.rows_q, p.head_dim, p.nheads, extent.batch);
+  auto k_shape = make_shape(extent.rows_k, p.head_dim, p.nheads_k, extent.batch);
+  // The sequence's rows from its first, (rows, head dim).
+  auto rows_of = [&](auto const& tma, auto shape, int h, int batch, int row0) {
+    return domain_offset(make_coord(row0, _0{}), tma.get_tma_tensor(shape)(_, _, h, extent.batch_index(batch)));
+  };
+  Tensor gQ = local_tile(rows_of(args.tma_q, q_shape, head, seq.batch, seq.q_row0),
                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockM, kHeadDim, m_blocks)
-  Tensor gdO = local_tile(args.tma_do.get_tma_tensor(q_shape)(_, _, head, seq.batch),
+  Tensor gdO = local_tile(rows_of(args.tma_do, q_shape, head, seq.batch, seq.q_row0),
                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));
-  Tensor gK = local_tile(args.tma_k.get_tma_tensor(k_shape)(_, _, head_k, seq.k_batch),
+  Tensor gK = local_tile(rows_of(args.tma_k, k_shape, head_k, seq.k_batch, seq.k_row0),
                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));  // (kBlockN, kHeadDim)
-  Tensor gV = local_tile(args.tma_v.get_tma_tensor(k_shape)(_, _, head_k, seq.k_batch),
+  Tensor gV = local_tile(rows_of(args.tma_v, k_shape, head_k, seq.k_batch, seq.k_row0),
                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
   Tensor sQ =
       make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});  // (kBlockM, kHeadDim, kStages)
@@ -81,15 +91,40 @@ __device__ __forceinline__ void load_bwd(BwdArgs<Traits> const& args, typename T
   Tensor tdOgdO = group_modes<0, 3>(tma_do.partition_S(gdO));  // (TMA, m_blocks)
   Tensor tdOsdO = group_modes<0, 3>(tma_do.partition_D(sdO));  // (TMA, kStages)
 
-  ClusterTransactionBarrier::arrive_and_expect_tx(&smem.kv_full, 2 * Traits::kKVBytes);
-  copy(args.tma_k.with(smem.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
-  copy(args.tma_v.with(smem.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
-  RingState<Traits::kStages> ring;
+  auto issue_kv = [&](uint64_t& barrier) {
+    copy(args.tma_k.with(barrier), tma_k.partition_S(gK), tma_k.partition_D(sK));
+    copy(args.tma_v.with(barrier), tma_v.partition_S(gV), tma_v.partition_D(sV));
+  };
+  if constexpr (kVarlen) {
+    ClusterBarrier::wait(&smem.kv_empty, kv_phase ^ 1);
+    const int keys = seq.seqlen_k - n_block * kBlockN;
+    load_zeroing_tail(&smem.kv_full, &smem.landed, landed_phase, 2 * Traits::kKVBytes, keys < kBlockN, leader, issue_kv,
+                      [&] {
+                        zero_rows_from<kBlockN, kHeadDim>(keys, [&](int r, int c) { return &sK(r, c); });
+                        zero_rows_from<kBlockN, kHeadDim>(keys, [&](int r, int c) { return &sV(r, c); });
+                      });
+  } else {
+    ClusterTransactionBarrier::arrive_and_expect_tx(&smem.kv_full, 2 * Traits::kKVBytes);
+    issue_kv(smem.kv_full);
+  }
   for (int m_block = queries.begin; m_block < queries.end; ++m_block) {
     ClusterBarrier::wait(&smem.q_empty[ring.stage], ring.phase ^ 1);
-    ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full[ring.stage], 2 * Traits::kQBytes);
-    copy(args.tma_q.with(smem.q_full[ring.stage]), tQgQ(_, m_block), tQsQ(_, ring.stage));
-    copy(args.tma_do.with(smem.q_full[ring.stage]), tdOgdO(_, m_block), tdOsdO(_, ring.stage));
+    const int stage = ring.stage;
+    auto issue_q = [&](uint64_t& barrier) {
+      copy(args.tma_q.with(barrier), tQgQ(_, m_block), tQsQ(_, stage));
+      copy(args.tma_do.with(barrier), tdOgdO(_, m_block), tdOsdO(_, stage));
+    };
+    if constexpr (kVarlen) {
+      const int rows = seq.seqlen_q - m_block * kBlockM;
+      load_zeroing_tail(&smem.q_full[stage], &smem.landed, landed_phase, 2 * Traits::kQBytes, rows < kBlockM, leader,
+                        issue_q, [&] {
+                          zero_rows_from<kBlockM, kHeadDim>(rows, [&](int r, int c) { return &sQ(r, c, stage); });
+                          zero_rows_from<kBlockM, kHeadDim>(rows, [&](int r, int c) { return &sdO(r, c, stage); });
+                        });
+    } else {
+      ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full[stage], 2 * Traits::kQBytes);
+      issue_q(smem.q_full[stage]);
+    }
     ring.advance();
   }
 }
@@ -264,15 +299,16 @@ __device__ __forceinline__ auto bwd_smem_views(typename Traits::SharedStorage& s
       view(smem.ds.data(), typename Traits::SmemLayoutdS{}));
 }
 
-// A consumer thread's walk over the query blocks: the first block's statistics (every consumer reads them past this
-// barrier) and S^T (issue_s), then step(m_block, masked, has_next) for each. A step issues the next S^T, so one is in
-// flight on every path into the loop's next iteration (ptxas keeps the wgmma pipelined only then): the last block
-// is stepped outside the loop, with the mask (which leaves an unmasked block as it is).
+// A consumer thread's walk over the query blocks: the first block's statistics, into the stage of its Q and dO
+// (every consumer reads them past this barrier), and S^T (issue_s), then step(m_block, masked, has_next) for each. A
+// step issues the next S^T, so one is in flight on every path into the loop's next iteration (ptxas keeps the wgmma
+// pipelined only then): the last block is stepped outside the loop, with the mask (which leaves an unmasked block as it
+// is).
 template <typename Traits, typename IssueS, typename Step>
 __device__ __forceinline__ void walk_query_blocks(BwdParams const& p, typename Traits::SharedStorage& smem,
                                                   Sequence const& seq, int64_t row_stats, BlockRange const& queries,
-                                                  int tid, IssueS&& issue_s, Step&& step) {
-  store_stat<Traits>(smem, 0, fetch_stat<Traits>(p, seq, row_stats, queries.begin, tid), tid);
+                                                  int stage, int tid, IssueS&& issue_s, Step&& step) {
+  store_stat<Traits>(smem, stage, fetch_stat<Traits>(p, seq, row_stats, queries.begin, tid), tid);
   cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsWrittenBarrier);
   issue_s();
   int m_block = queries.begin;
@@ -286,12 +322,32 @@ __device__ __forceinline__ void walk_query_blocks(BwdParams const& p, typename T
   step(m_block, cute::true_type{}, cute::false_type{});
 }
 
+// What a consumer thread carries from one of its thread block's key blocks to the next (kSeveral: a variable-length
+// batch's block may take several): the ring of Q and dO, the buffer of dS^T (and P^T) to write next, and the phase of
+// K and V (of the block's key blocks with queries).
+template <int kStages, bool kSeveral>
+struct BwdConsumerState {
+  static constexpr bool kSeveralKeyBlocks = kSeveral;
+  RingState<kStages> ring;
+  int buf = 0;
+  uint32_t kv_phase = 0;
+};
+
+// The end of a key block's walk: every product that read K and V is done, so the producer may load the next block's.
+template <typename SharedStorage, typename State>
+__device__ __forceinline__ void release_kv(SharedStorage& smem, State& state, int tid) {
+  if constexpr (State::kSeveralKeyBlocks) {
+    if (tid % 128 == 0) ClusterBarrier::arrive(&smem.kv_empty);
+    state.kv_phase ^= 1;
+  }
+}
+
 // A consumer warpgroup's thread (tid: its index among the consumers): the query blocks, then dK and dV of its keys.
 // kDq: false in a deterministic pass, whose dQ the sm80 family's dQ kernel computes after this one.
-template <typename Traits, bool kDq>
+template <typename Traits, bool kDq, typename State>
 __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits::SharedStorage& smem,
                                             Sequence const& seq, int head, int n_block, BlockRange const& queries,
-                                            int tid) {
+                                            int tid, State& state) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   typename Traits::TiledMmaSdP mma_sdp;
@@ -324,9 +380,9 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
     const int64_t row_stats = seq.stats(p, head);
     const bool is_signaling = tid % 128 == 0;  // one arrival per warpgroup releases a buffer
 
-    ClusterTransactionBarrier::wait(&smem.kv_full, 0);
-    RingState<Traits::kStages> ring;
-    int ds_stage = 0;
+    ClusterTransactionBarrier::wait(&smem.kv_full, state.kv_phase);
+    RingState<Traits::kStages> ring = state.ring;
+    int ds_stage = state.buf;
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // outlives a step (below)
     auto issue_s = [&]() __attribute__((always_inline)) {
       ClusterTransactionBarrier::wait(&smem.q_full[ring.stage], ring.phase);
@@ -383,8 +439,11 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
         add_dq<Traits>(p, smem, seq, head, m_block, acc_dq, tid);
       }
     };
-    walk_query_blocks<Traits>(p, smem, seq, row_stats, queries, tid, issue_s, step);
+    walk_query_blocks<Traits>(p, smem, seq, row_stats, queries, ring.stage, tid, issue_s, step);
     if (kDq && is_signaling) bulk_wait_all();  // dq_accum holds the sums before the block ends
+    state.ring = ring;
+    state.buf = ds_stage;
+    release_kv(smem, state, tid);
   }
 
   store_dkdv<Traits>(p, seq, head, n_block, acc_dk, acc_dv, tid);
@@ -395,10 +454,10 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
 // memory, and past the barrier at which both halves are there, dV, dK and dQ of the head dim's half w, every operand
 // from shared memory. Each thread adds its dQ to dq_accum itself (a block's dQ in fp32 would not fit beside the
 // stages of Q and dO).
-template <typename Traits, bool kDq>
+template <typename Traits, bool kDq, typename State>
 __device__ __forceinline__ void compute_bwd_split(BwdParams const& p, typename Traits::SharedStorage& smem,
                                                   Sequence const& seq, int head, int n_block, BlockRange const& queries,
-                                                  int tid) {
+                                                  int tid, State& state) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   typename Traits::TiledMmaSdP mma_sdp;
@@ -435,9 +494,9 @@ __device__ __forceinline__ void compute_bwd_split(BwdParams const& p, typename T
     const int64_t row_stats = seq.stats(p, head);
     const bool is_signaling = tid % 128 == 0;  // one arrival per warpgroup releases a buffer
 
-    ClusterTransactionBarrier::wait(&smem.kv_full, 0);
-    RingState<Traits::kStages> ring;
-    int buf = 0;                                                                        // the buffer of P^T and dS^T
+    ClusterTransactionBarrier::wait(&smem.kv_full, state.kv_phase);
+    RingState<Traits::kStages>& ring = state.ring;
+    int& buf = state.buf;                                                               // the buffer of P^T and dS^T
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // outlives a step
     auto issue_s = [&]() __attribute__((always_inline)) {
       ClusterTransactionBarrier::wait(&smem.q_full[ring.stage], ring.phase);
@@ -481,15 +540,19 @@ __device__ __forceinline__ void compute_bwd_split(BwdParams const& p, typename T
       }
       if constexpr (decltype(has_next)::value) issue_s();
     };
-    walk_query_blocks<Traits>(p, smem, seq, row_stats, queries, tid, issue_s, step);
+    walk_query_blocks<Traits>(p, smem, seq, row_stats, queries, State::kSeveralKeyBlocks ? ring.stage : 0, tid, issue_s,
+                              step);
+    release_kv(smem, state, tid);
   }
 
   store_dkdv<Traits>(p, seq, head, n_block, acc_dk, acc_dv, tid);
 }
 
-// One thread block per key block of each (sequence, head): fixed-length batches without options (the registry sends
-// the other calls to the sm80 family).
-template <typename Traits, bool kDq>
+// A thread block per key block of each (sequence, head) up to the params' bound: fixed-length batches (kVarlen:
+// variable-length ones) without options (the registry sends the other calls to the sm80 family). kVarlen: a block
+// takes its key block and every gridDim.x-th after it while within its sequence (which may be longer than the bound,
+// max_seqlen_k).
+template <typename Traits, bool kDq, bool kVarlen>
 static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     bwd_kernel(CUTLASS_GRID_CONSTANT BwdArgs<Traits> const args) {
   extern __shared__ __align__(1024) char smem_raw[];
@@ -502,6 +565,10 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     ClusterTransactionBarrier::init(&smem.kv_full, 1);
+    if constexpr (kVarlen) {
+      ClusterBarrier::init(&smem.kv_empty, Traits::kConsumerWarpgroups);
+      ClusterTransactionBarrier::init(&smem.landed, 1);
+    }
     for (int s = 0; s < Traits::kStages; ++s) {
       ClusterTransactionBarrier::init(&smem.q_full[s], 1);
       ClusterBarrier::init(&smem.q_empty[s], Traits::kConsumerWarpgroups);
@@ -511,46 +578,74 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
   __syncthreads();  // the last barrier of the whole block: the producer's other warps leave below
 
   const int n_block = int(blockIdx.x), head = int(blockIdx.y);
-  const Sequence seq = sequence<Variant::kFixed>(p, int(blockIdx.z));
-  const BlockRange queries =
-      mask_policy<Variant::kFixed>(p, seq).template query_blocks<Traits::kBlockM, Traits::kBlockN>(n_block);
+  constexpr Variant V = kVarlen ? Variant::kVarlen : Variant::kFixed;
+  const Sequence seq = sequence<V>(p, int(blockIdx.z));
+  const BlockRange queries = mask_policy<V>(p, seq).template query_blocks<Traits::kBlockM, Traits::kBlockN>(n_block);
+  // body(seq, n_block, queries) for this block's key block, and, kVarlen, every gridDim.x-th after it in its sequence.
+  auto walk_key_blocks = [&](auto&& body) __attribute__((always_inline)) {
+    if constexpr (kVarlen) {
+      for (int n = n_block;; n += int(gridDim.x)) {
+        const Sequence seq_n = sequence<V>(p, int(blockIdx.z));
+        if (n * Traits::kBlockN >= seq_n.seqlen_k) break;
+        body(seq_n, n, mask_policy<V>(p, seq_n).template query_blocks<Traits::kBlockM, Traits::kBlockN>(n));
+      }
+    } else {
+      body(seq, n_block, queries);
+    }
+  };
   if (warp < 4) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (warp == 0 && cute::elect_one_sync() && !queries.empty()) {
-      load_bwd<Traits>(args, smem, seq, head, n_block, queries);
+    if (warp == 0 && (kVarlen || (cute::elect_one_sync() && !queries.empty()))) {  // (kVarlen: the warp, load_bwd)
+      const bool leader = !kVarlen || cute::elect_one_sync();
+      RingState<Traits::kStages> ring;
+      uint32_t kv_phase = 0, landed_phase = 0;
+      walk_key_blocks([&](Sequence const& seq, int n_block, BlockRange const& queries) __attribute__((always_inline)) {
+        if (queries.empty()) return;  // the consumers store zeros and read nothing
+        load_bwd<Traits, kVarlen>(args, smem, seq, head, n_block, queries, ring, kv_phase, landed_phase, leader);
+        kv_phase ^= 1;
+      });
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-    if constexpr (Traits::kSplitsHeadDim) {
-      compute_bwd_split<Traits, kDq>(p, smem, seq, head, n_block, queries, int(threadIdx.x) - 128);
-    } else {
-      compute_bwd<Traits, kDq>(p, smem, seq, head, n_block, queries, int(threadIdx.x) - 128);
-    }
+    BwdConsumerState<Traits::kStages, kVarlen> state;
+    walk_key_blocks([&](Sequence const& seq, int n_block, BlockRange const& queries) __attribute__((always_inline)) {
+      if constexpr (Traits::kSplitsHeadDim) {
+        compute_bwd_split<Traits, kDq>(p, smem, seq, head, n_block, queries, int(threadIdx.x) - 128, state);
+      } else {
+        compute_bwd<Traits, kDq>(p, smem, seq, head, n_block, queries, int(threadIdx.x) - 128, state);
+      }
+    });
   }
 }
 
 // dq = dq_accum of one query block of one (sequence, head) per thread block, a thread per consumer thread of the main
 // kernel: its slots (dq_slot; 16-byte loads from L2, which the other blocks' reductions wrote) to the rows and
 // columns its dQ accumulator held, column pairs as 4-byte stores.
-template <typename Traits>
+// kVarlen: a block takes its query block and every gridDim.x-th after it in its sequence (as bwd_kernel its key
+// blocks).
+template <typename Traits, bool kVarlen>
 static __global__ void __launch_bounds__(Traits::kConsumerThreads) convert_dq_kernel(const BwdParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-  const Sequence seq = sequence<Variant::kFixed>(p, int(blockIdx.z));
-  const int head = int(blockIdx.y), m_block = int(blockIdx.x), tid = int(threadIdx.x);
-  Tensor acc_dq = partition_fragment_C(typename Traits::TiledMmadQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  float const* block = dq_accum_block<Traits>(p, seq, head, m_block);
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dq); i += 4) {
-    const float4 x = __ldcg(reinterpret_cast<float4 const*>(block + dq_slot<Traits>(tid, i)));
-    acc_dq(i) = x.x;
-    acc_dq(i + 1) = x.y;
-    acc_dq(i + 2) = x.z;
-    acc_dq(i + 3) = x.w;
+  const int head = int(blockIdx.y), tid = int(threadIdx.x);
+  for (int m_block = int(blockIdx.x);; m_block += int(gridDim.x)) {
+    const Sequence seq = sequence<kVarlen ? Variant::kVarlen : Variant::kFixed>(p, int(blockIdx.z));
+    if (kVarlen && m_block * kBlockM >= seq.seqlen_q) break;
+    Tensor acc_dq = partition_fragment_C(typename Traits::TiledMmadQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    float const* block = dq_accum_block<Traits>(p, seq, head, m_block);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += 4) {
+      const float4 x = __ldcg(reinterpret_cast<float4 const*>(block + dq_slot<Traits>(tid, i)));
+      acc_dq(i) = x.x;
+      acc_dq(i + 1) = x.y;
+      acc_dq(i + 2) = x.z;
+      acc_dq(i + 3) = x.w;
+    }
+    Element* dq = p.dq.at<Element>(seq.batch, head, seq.q_row0 + m_block * kBlockM);
+    store_acc_direct<typename Traits::TiledMmadQ, kBlockM, kHeadDim>(acc_dq, dq, p.dq.row_stride,
+                                                                     seq.seqlen_q - m_block * kBlockM, p.head_dim, tid);
+    if constexpr (!kVarlen) break;  // the grid has a block per query block
   }
-  Element* dq = p.dq.at<Element>(seq.batch, head, seq.q_row0 + m_block * kBlockM);
-  store_acc_direct<typename Traits::TiledMmadQ, kBlockM, kHeadDim>(acc_dq, dq, p.dq.row_stride,
-                                                                   seq.seqlen_q - m_block * kBlockM, p.head_dim, tid);
 }
 
 }  // namespace cuteflash::sm90

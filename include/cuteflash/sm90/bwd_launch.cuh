@@ -20,31 +20,40 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
   require_smem(Traits::kSmemBytes, "sm90 backward", kHeadDim);
   launch_bwd_preprocess<Element, kHeadDim>(p, stream);
   const int d = p.head_dim;
+  const GmemExtent e = GmemExtent::of(p, p.cu_seqlens_q != nullptr);
   auto tma = [&](Operand const& t, int rows, int heads, auto smem_layout, auto tile, char const* name) {
-    return make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(t, rows, d, heads, p.batch, name), smem_layout,
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(t, rows, d, heads, e.batch, name), smem_layout,
                          tile, _1{});
   };
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileK = Shape<Int<kBlockN>, Int<kHeadDim>>;
-  BwdArgs<Traits> args{tma(p.q, p.seqlen_q, p.nheads, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, "q"),
-                       tma(p.dout, p.seqlen_q, p.nheads, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, "dout"),
-                       tma(p.k, p.seqlen_k, p.nheads_k, typename Traits::SmemLayoutK{}, TileK{}, "k"),
-                       tma(p.v, p.seqlen_k, p.nheads_k, typename Traits::SmemLayoutV{}, TileK{}, "v"), p};
+  BwdArgs<Traits> args{tma(p.q, e.rows_q, p.nheads, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, "q"),
+                       tma(p.dout, e.rows_q, p.nheads, take<0, 2>(typename Traits::SmemLayoutQ{}), TileQ{}, "dout"),
+                       tma(p.k, e.rows_k, p.nheads_k, typename Traits::SmemLayoutK{}, TileK{}, "k"),
+                       tma(p.v, e.rows_k, p.nheads_k, typename Traits::SmemLayoutV{}, TileK{}, "v"), p};
   const dim3 grid(ceil_div(p.seqlen_k, kBlockN), p.nheads, p.batch);
+  const bool varlen = p.cu_seqlens_q != nullptr;
   if (!p.deterministic) {
-    launch(&bwd_kernel<Traits, true>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, args, "sm90 backward");
-    launch(&convert_dq_kernel<Traits>, dim3(ceil_div(p.seqlen_q, kBlockM), p.nheads, p.batch), Traits::kConsumerThreads,
-           0, stream, p, "sm90 dQ conversion");
+    launch(varlen ? &bwd_kernel<Traits, true, true> : &bwd_kernel<Traits, true, false>, grid, Traits::kNThreads,
+           Traits::kSmemBytes, stream, args, "sm90 backward");
+    for_batch_kind(p, [&](auto batch_kind) {
+      launch(&convert_dq_kernel<Traits, batch_kind() == Variant::kVarlen>,
+             dim3(ceil_div(p.seqlen_q, kBlockM), p.nheads, p.batch), Traits::kConsumerThreads, 0, stream, p,
+             "sm90 dQ conversion");
+    });
     return;
   }
   // A deterministic pass: dK and dV by the kernel without dQ, then dQ by the sm80 family's dQ kernel, a block per
   // query block summing its keys' contributions in order (no atomics).
-  launch(&bwd_kernel<Traits, false>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, args, "sm90 backward dK/dV");
+  launch(varlen ? &bwd_kernel<Traits, false, true> : &bwd_kernel<Traits, false, false>, grid, Traits::kNThreads,
+         Traits::kSmemBytes, stream, args, "sm90 backward dK/dV");
   using DqT = sm80::DqTraits<Element, kHeadDim>;
   constexpr int dq_smem = int(sizeof(sm80::DqSharedStorage<DqT>));
   require_smem(dq_smem, "backward dQ", kHeadDim);
-  launch(&sm80::bwd_dq_kernel<DqT, Variant::kFixed>, dim3(ceil_div(p.seqlen_q, DqT::kBlockM), p.nheads, p.batch),
-         DqT::kNThreads, dq_smem, stream, p, "sm80 backward dQ");
+  for_batch_kind(p, [&](auto batch_kind) {
+    launch(&sm80::bwd_dq_kernel<DqT, batch_kind()>, dim3(ceil_div(p.seqlen_q, DqT::kBlockM), p.nheads, p.batch),
+           DqT::kNThreads, dq_smem, stream, p, "sm80 backward dQ");
+  });
 }
 
 }  // namespace cuteflash::sm90

@@ -60,22 +60,30 @@ struct Turns {
   }
 };
 
-// The producer's thread, for one tile: Q, then K and V of each visible key block, from the last down (nothing for a
-// query block that sees no key). A buffer is refilled once every consumer warpgroup has released it (its empty
-// barrier's phase; the first round waits for nothing); the rings continue from tile to tile.
-template <typename Traits>
+// The producer, for one tile: Q, then K and V of each visible key block, from the last down (nothing for a query
+// block that sees no key). A buffer is refilled once every consumer warpgroup has released it (its empty barrier's
+// phase; the first round waits for nothing); the rings continue from tile to tile. One thread (leader), or, kVarlen,
+// the producer's warp, whose leader lane issues the loads: V's rows past the sequence are zeroed (load_zeroing_tail;
+// K's scores there are masked, and Q's rows past it are not stored).
+template <typename Traits, bool kVarlen>
 __device__ __forceinline__ void load_tiles(FwdArgs<Traits> const& args, typename Traits::SharedStorage& smem,
                                            Sequence const& seq, int head, int m_block, BlockRange const& keys,
-                                           RingState<1>& ring_q, RingState<Traits::kStages>& ring) {
+                                           RingState<1>& ring_q, RingState<Traits::kStages>& ring,
+                                           uint32_t& landed_phase, bool leader) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   FwdParams const& p = args.p;
   const int head_k = head / (p.nheads / p.nheads_k);
-  Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.nheads, p.batch));
-  Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.nheads_k, p.batch));
-  Tensor mVt = args.tma_v.get_tma_tensor(make_shape(p.head_dim, p.seqlen_k, p.nheads_k, p.batch));
-  Tensor gQ = local_tile(mQ(_, _, head, seq.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-  Tensor gK = local_tile(mK(_, _, head_k, seq.k_batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
-  Tensor gVt = local_tile(mVt(_, _, head_k, seq.k_batch), Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(0, _));
+  const GmemExtent extent = GmemExtent::of(p, kVarlen);
+  Tensor mQ = args.tma_q.get_tma_tensor(make_shape(extent.rows_q, p.head_dim, p.nheads, extent.batch));
+  Tensor mK = args.tma_k.get_tma_tensor(make_shape(extent.rows_k, p.head_dim, p.nheads_k, extent.batch));
+  Tensor mVt = args.tma_v.get_tma_tensor(make_shape(p.head_dim, extent.rows_k, p.nheads_k, extent.batch));
+  // The sequence's rows from its first: (rows, head dim) of q and k, (head dim, rows) of V^T.
+  Tensor mQs = domain_offset(make_coord(seq.q_row0, _0{}), mQ(_, _, head, extent.batch_index(seq.batch)));
+  Tensor mKs = domain_offset(make_coord(seq.k_row0, _0{}), mK(_, _, head_k, extent.batch_index(seq.k_batch)));
+  Tensor mVts = domain_offset(make_coord(_0{}, seq.k_row0), mVt(_, _, head_k, extent.batch_index(seq.k_batch)));
+  Tensor gQ = local_tile(mQs, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(mKs, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+  Tensor gVt = local_tile(mVts, Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(0, _));
   // gQ: (kBlockM, kHeadDim); gK: (kBlockN, kHeadDim, blocks); gVt: (kHeadDim, kBlockN, blocks)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
@@ -93,23 +101,38 @@ __device__ __forceinline__ void load_tiles(FwdArgs<Traits> const& args, typename
 
   if (keys.empty()) return;  // the consumers write O = 0 and read nothing
   ClusterBarrier::wait(&smem.q_empty, ring_q.phase ^ 1);
-  ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
-  copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
+  if (leader) {
+    ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
+    copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
+  }
   ring_q.advance();
   for (int n_block = keys.end - 1; n_block >= keys.begin; --n_block) {
     ClusterBarrier::wait(&smem.k_empty[ring.stage], ring.phase ^ 1);
-    ClusterTransactionBarrier::arrive_and_expect_tx(&smem.k_full[ring.stage], Traits::kKVBytes);
-    copy(args.tma_k.with(smem.k_full[ring.stage]), tKgK(_, n_block), tKsK(_, ring.stage));
+    if (leader) {
+      ClusterTransactionBarrier::arrive_and_expect_tx(&smem.k_full[ring.stage], Traits::kKVBytes);
+      copy(args.tma_k.with(smem.k_full[ring.stage]), tKgK(_, n_block), tKsK(_, ring.stage));
+    }
     ClusterBarrier::wait(&smem.v_empty[ring.stage], ring.phase ^ 1);
-    ClusterTransactionBarrier::arrive_and_expect_tx(&smem.v_full[ring.stage], Traits::kKVBytes);
-    copy(args.tma_v.with(smem.v_full[ring.stage]), tVgVt(_, n_block), tVsVt(_, ring.stage));
+    const int stage = ring.stage;
+    auto issue_v = [&](uint64_t& barrier) { copy(args.tma_v.with(barrier), tVgVt(_, n_block), tVsVt(_, stage)); };
+    if constexpr (kVarlen) {
+      const int rows = seq.seqlen_k - n_block * kBlockN;
+      load_zeroing_tail(
+          &smem.v_full[stage], &smem.landed, landed_phase, Traits::kKVBytes, rows < kBlockN, leader, issue_v,
+          [&] { zero_rows_from<kBlockN, kHeadDim>(rows, [&](int r, int c) { return &sVt(c, r, stage); }); });
+    } else {
+      ClusterTransactionBarrier::arrive_and_expect_tx(&smem.v_full[stage], Traits::kKVBytes);
+      issue_v(smem.v_full[stage]);
+    }
     ring.advance();
   }
 }
 
 // A consumer warpgroup's rows of O (rows < rows_left, columns < head_dim) to global memory through its rows of sQ,
-// which its products no longer read: 16-byte stores. For a block's last tile only (the producer loads no further Q).
-template <typename Traits, typename AccO>
+// which its products no longer read: 16-byte stores. kReleaseQ: then the warpgroup releases Q's buffer, into which
+// the producer loads the block's next tile's Q (a variable-length batch's block may take several tiles); else the
+// block takes one tile.
+template <typename Traits, bool kReleaseQ, typename AccO>
 __device__ __forceinline__ void write_o_staged(FwdParams const& p, typename Traits::Element* o, int rows_left,
                                                AccO const& acc_o, typename Traits::SharedStorage& smem, int tid) {
   using Element = typename Traits::Element;
@@ -135,6 +158,10 @@ __device__ __forceinline__ void write_o_staged(FwdParams const& p, typename Trai
   Tensor cO_rows = gmem_thr.partition_S(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
   copy_tile_bounded<false>(gmem_copy, gmem_thr.partition_S(sO_rows), gmem_thr.partition_D(gO), cO_rows,
                            rows_left - warpgroup * 64, p.head_dim);
+  if constexpr (kReleaseQ) {
+    cutlass::arch::NamedBarrier::sync(128, barrier);
+    if (tid % 128 == 0) ClusterBarrier::arrive(&smem.q_empty);
+  }
 }
 
 // The same from registers, no shared memory held (store_acc_direct). Slower per tile than write_o_staged (more and
@@ -147,11 +174,12 @@ __device__ __forceinline__ void write_o_direct(FwdParams const& p, typename Trai
 }
 
 // The end of a consumer warpgroup's rows: O /= l and lse = m scale + log(l), then O to global memory (kStaged:
-// write_o_staged, else write_o_direct).
-template <typename Traits, bool kStaged, typename Softmax, typename AccO>
+// write_o_staged, but in a variable-length batch's tile that saw no key, whose Q's buffer the producer may be filling
+// with the next tile's; else write_o_direct).
+template <typename Traits, bool kStaged, bool kVarlen, typename Softmax, typename AccO>
 __device__ __forceinline__ void store_output(FwdParams const& p, Sequence const& seq, int head, int m_block,
-                                             Softmax& softmax, AccO& acc_o, typename Traits::SharedStorage& smem,
-                                             int tid) {
+                                             bool saw_keys, Softmax& softmax, AccO& acc_o,
+                                             typename Traits::SharedStorage& smem, int tid) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   auto thr_mma = typename Traits::TiledMmaPV{}.get_thread_slice(tid);
@@ -172,8 +200,8 @@ __device__ __forceinline__ void store_output(FwdParams const& p, Sequence const&
     }
   }
   Element* o = p.o.at<Element>(seq.batch, head, seq.q_row0 + m_block * kBlockM);
-  if constexpr (kStaged) {
-    write_o_staged<Traits>(p, o, rows_left, acc_o, smem, tid);
+  if (kStaged && (!kVarlen || saw_keys)) {
+    write_o_staged<Traits, kVarlen>(p, o, rows_left, acc_o, smem, tid);
   } else {
     write_o_direct<Traits>(p, o, rows_left, acc_o, tid);
   }
@@ -184,7 +212,7 @@ __device__ __forceinline__ void store_output(FwdParams const& p, Sequence const&
 // from the last down, the masked ones first. The product P V of a block runs while the softmax of the next block's
 // scores does: each step waits for the P V before it, converts the block before's P to 16 bits, issues S = Q K^T of its
 // block, rescales O, issues O += P V, and takes the softmax of S once Q K^T is done.
-template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal>
+template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, bool kVarlen>
 __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits::SharedStorage& smem,
                                              Sequence const& seq, int head, int m_block, BlockRange const& keys,
                                              int tid, RingState<1>& ring_q, RingState<Traits::kStages>& ring_k,
@@ -296,7 +324,9 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     };
     for (--n_block; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{});
     for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{});
-    if (is_signaling) ClusterBarrier::arrive(&smem.q_empty);  // every Q K^T is done
+    // Every Q K^T is done: a persistent block's producer loads the next tile's Q under the last P V and the stores
+    // (a variable-length batch's block, which stores O through Q's buffer, releases it after: write_o_staged).
+    if (!kVarlen && is_signaling) ClusterBarrier::arrive(&smem.q_empty);
     ring_q.advance();
     finish_pv();
     convert_fragment_into(acc_s, rP);
@@ -306,12 +336,12 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     release(smem.v_empty, ring_v);
     turns.end();
   }
-  store_output<Traits, !kPersistent>(p, seq, head, m_block, softmax, acc_o, smem, tid);
+  store_output<Traits, !kPersistent, kVarlen>(p, seq, head, m_block, !keys.empty(), softmax, acc_o, smem, tid);
 }
 
-// Fixed-length batches without options (the registry sends the other calls to the sm80 family); the tiles of
-// TileScheduler<kPersistent>; kSkipAboveDiagonal: compute_tile.
-template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal>
+// Fixed-length batches (kVarlen: variable-length ones) without options (the registry sends the other calls to the
+// sm80 family); the tiles of TileScheduler (persistent for fixed lengths only); kSkipAboveDiagonal: compute_tile.
+template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, bool kVarlen>
 static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_kernel(CUTLASS_GRID_CONSTANT FwdArgs<Traits> const args) {
   extern __shared__ __align__(1024) char smem_raw[];
@@ -324,6 +354,7 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     ClusterTransactionBarrier::init(&smem.q_full, 1);
     ClusterBarrier::init(&smem.q_empty, Traits::kConsumerWarpgroups);
+    if constexpr (kVarlen) ClusterTransactionBarrier::init(&smem.landed, 1);
     for (int s = 0; s < Traits::kStages; ++s) {
       ClusterTransactionBarrier::init(&smem.k_full[s], 1);
       ClusterTransactionBarrier::init(&smem.v_full[s], 1);
@@ -335,11 +366,13 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
   __syncthreads();  // the last barrier of the whole block: the producer's other warps leave below
 
   const int m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
-  const TileScheduler<kPersistent> scheduler{m_blocks, p.nheads, kPersistent ? m_blocks * p.nheads * p.batch : 1};
+  const TileScheduler<kPersistent, kVarlen> scheduler{m_blocks, p.nheads,
+                                                      kPersistent ? m_blocks * p.nheads * p.batch : 1};
   auto walk_tiles = [&](auto&& body) __attribute__((always_inline)) {
     for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t)) {
       const FwdTile tile = scheduler.tile(t);
-      const Sequence seq = sequence<Variant::kFixed>(p, tile.batch);
+      const Sequence seq = sequence<kVarlen ? Variant::kVarlen : Variant::kFixed>(p, tile.batch);
+      if (kVarlen && tile.m_block * Traits::kBlockM >= seq.seqlen_q) break;  // past its sequence's end
       const BlockRange keys =
           mask_policy<Variant::kFixed>(p, seq).template key_blocks<Traits::kBlockM, Traits::kBlockN>(tile.m_block);
       body(tile, seq, keys);
@@ -348,18 +381,20 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
   RingState<1> ring_q;
   if (warp < 4) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (warp == 0 && cute::elect_one_sync()) {
+    if (warp == 0 && (kVarlen || cute::elect_one_sync())) {  // (kVarlen: the warp, load_tiles)
+      const bool leader = !kVarlen || cute::elect_one_sync();
       RingState<Traits::kStages> ring;
+      uint32_t landed_phase = 0;
       walk_tiles([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) {
-        load_tiles<Traits>(args, smem, seq, tile.head, tile.m_block, keys, ring_q, ring);
+        load_tiles<Traits, kVarlen>(args, smem, seq, tile.head, tile.m_block, keys, ring_q, ring, landed_phase, leader);
       });
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     RingState<Traits::kStages> ring_k, ring_v;
     walk_tiles([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) {
-      compute_tile<Traits, kPersistent, kSkipAboveDiagonal>(p, smem, seq, tile.head, tile.m_block, keys,
-                                                            int(threadIdx.x) - 128, ring_q, ring_k, ring_v);
+      compute_tile<Traits, kPersistent, kSkipAboveDiagonal, kVarlen>(p, smem, seq, tile.head, tile.m_block, keys,
+                                                                     int(threadIdx.x) - 128, ring_q, ring_k, ring_v);
     });
   }
 }

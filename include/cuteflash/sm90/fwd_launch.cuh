@@ -11,19 +11,21 @@
 
 namespace cuteflash::sm90 {
 
-// kPersistent: a block per multiprocessor, each through its share of the tiles (TileScheduler); else a block per tile.
-template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal>
+// kPersistent: a block per multiprocessor, each through its share of the tiles (TileScheduler); else a block per query
+// block of each (sequence, head). kVarlen: a variable-length batch (not persistent).
+template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, bool kVarlen>
 void launch_fwd(FwdParams const& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   require_smem(Traits::kSmemBytes, "sm90 forward", kHeadDim);
   const int d = p.head_dim;
+  const GmemExtent e = GmemExtent::of(p, kVarlen);
   FwdArgs<Traits> args{
-      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.q, p.seqlen_q, d, p.nheads, p.batch, "q"),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.q, e.rows_q, d, p.nheads, e.batch, "q"),
                     typename Traits::SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.k, p.seqlen_k, d, p.nheads_k, p.batch, "k"),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.k, e.rows_k, d, p.nheads_k, e.batch, "k"),
                     take<0, 2>(typename Traits::SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<true, Element>(p.v, p.seqlen_k, d, p.nheads_k, p.batch, "v"),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<true, Element>(p.v, e.rows_k, d, p.nheads_k, e.batch, "v"),
                     take<0, 2>(typename Traits::SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}),
       p};
   dim3 grid = fwd_grid(p, kBlockM);
@@ -31,26 +33,31 @@ void launch_fwd(FwdParams const& p, cudaStream_t stream) {
     const int64_t tiles = int64_t(grid.x) * grid.y * grid.z;
     grid = dim3(unsigned(std::max<int64_t>(1, std::min<int64_t>(tiles, device_limits().sms))));
   }
-  launch(&fwd_kernel<Traits, kPersistent, kSkipAboveDiagonal>, grid, Traits::kNThreads, Traits::kSmemBytes, stream,
-         args, "sm90 forward");
+  launch(&fwd_kernel<Traits, kPersistent, kSkipAboveDiagonal, kVarlen>, grid, Traits::kNThreads, Traits::kSmemBytes,
+         stream, args, "sm90 forward");
 }
 
 template <typename Element, int kHeadDim>
 void run_fwd(FwdParams const& p, cudaStream_t stream) {
   check_supported(p, "forward");
   // Persistent blocks only for full attention up to head dim 64, the short tiles whose start and end are a large part
-  // of their time. Causal tiles differ in their work: the grid's order (heaviest first) and the hardware's placement
-  // of blocks as others finish balance them better than a static share would. At larger head dims the persistent
-  // blocks' register-to-global stores of O cost what the overlap gains (measured on an H200, head dim 128).
+  // of their time (fixed-length batches: a variable-length one's tiles are listed by sequence, TileScheduler). Causal
+  // tiles differ in their work: the grid's order (heaviest first) and the hardware's placement of blocks as others
+  // finish balance them better than a static share would. At larger head dims the persistent blocks' register-to-global
+  // stores of O cost what the overlap gains (measured on an H200, head dim 128).
   // Causal tiles of three warpgroups (192 rows) let a warpgroup skip the key blocks above its own rows' diagonal; two
   // warpgroups (128 rows) would skip little (none but past the sequence's end at head dim 128, at most a block a tile
   // at 256), and the registers it takes spill at head dim 256.
-  if (p.causal) {
-    using Traits = typename FwdTraitsSelect<Element, kHeadDim, true>::type;
-    launch_fwd<Traits, false, (Traits::kConsumerWarpgroups == 3)>(p, stream);
-  } else {
-    launch_fwd<typename FwdTraitsSelect<Element, kHeadDim, false>::type, (kHeadDim <= 64), false>(p, stream);
-  }
+  for_batch_kind(p, [&](auto batch_kind) {
+    constexpr bool kVarlen = batch_kind() == Variant::kVarlen;
+    if (p.causal) {
+      using Traits = typename FwdTraitsSelect<Element, kHeadDim, true>::type;
+      launch_fwd<Traits, false, (Traits::kConsumerWarpgroups == 3), kVarlen>(p, stream);
+    } else {
+      launch_fwd<typename FwdTraitsSelect<Element, kHeadDim, false>::type, (kHeadDim <= 64 && !kVarlen), false,
+                 kVarlen>(p, stream);
+    }
+  });
 }
 
 }  // namespace cuteflash::sm90

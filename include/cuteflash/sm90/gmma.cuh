@@ -83,6 +83,47 @@ struct RingState {
   }
 };
 
+// A producer warp's TMA load into a buffer of which only rows [0, rows) are of the tile's sequence (rows < kRows: the
+// last block of a variable-length batch's sequence). TMA brings whole blocks, the rows past the sequence from the next
+// sequence or, past the operand, zeros; the masks leave those rows out with zeros, but a zero times an infinity or a
+// NaN there would not be, so the warp sets them to zero before the consumers are told: the leader lane issues the
+// copy (issue(barrier)) on `landed`, the producer's own barrier (landed_phase: the parity of its next phase), the warp
+// waits for it, zeroes the rows (zero_rows), and the leader arrives on `full` (initialised for one arrival; no bytes
+// expected). Where every row is the sequence's, the copy is issued on `full` itself.
+template <typename Issue, typename ZeroRows>
+__device__ __forceinline__ void load_zeroing_tail(uint64_t* full, uint64_t* landed, uint32_t& landed_phase,
+                                                  uint32_t bytes, bool partial, bool leader, Issue const& issue,
+                                                  ZeroRows const& zero_rows) {
+  if (!partial) {
+    if (leader) {
+      ClusterTransactionBarrier::arrive_and_expect_tx(full, bytes);
+      issue(*full);
+    }
+    return;
+  }
+  if (leader) {
+    ClusterTransactionBarrier::arrive_and_expect_tx(landed, bytes);
+    issue(*landed);
+  }
+  ClusterTransactionBarrier::wait(landed, landed_phase);
+  landed_phase ^= 1;
+  zero_rows();
+  cutlass::arch::fence_view_async_shared();  // the zeros are visible to the products (wgmma) that read the buffer
+  __syncwarp();
+  if (leader) ClusterBarrier::arrive(full);
+}
+
+// Rows [rows, kRows) of a shared-memory tile zeroed by the 32 lanes of a warp, 16 bytes a store: at(r, c) is the
+// address of the tile's row r, column c (kCols columns of 16-bit elements, 8 consecutive ones contiguous from a
+// multiple of 8, as in every swizzled layout of the family).
+template <int kRows, int kCols, typename At>
+__device__ __forceinline__ void zero_rows_from(int rows, At const& at) {
+  constexpr int kChunks = kCols / 8;
+  for (int c = int(threadIdx.x % 32); c < (kRows - rows) * kChunks; c += 32) {
+    *reinterpret_cast<uint4*>(at(rows + c / kChunks, c % kChunks * 8)) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // A warpgroup's accumulator fragment acc of tiled_mma's (kRows, kCols) tile to global memory at `out` (row_stride
 // elements from a row to the next), rows < rows_left and columns < cols: each thread writes its column pairs
 // converted to Element (4 bytes, which the head dim's multiples of 8 and the 16-byte row strides keep aligned).

@@ -17,11 +17,10 @@ using namespace cute;
 // The calls the kernel computes (the registry's rule, python/cuteflash/_families.py, sends the others to the sm80
 // family): refuses the rest, naming what it lacks.
 inline void check_supported(FwdParams const& p, char const* direction) {
-  char const* missing = p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr ? "variable-length batches"
-                        : p.block_table != nullptr || p.seqused_k != nullptr   ? "KV caches"
-                        : needs_general(p)                                     ? "windows, softcap, ALiBi and dropout"
-                        : p.num_splits > 1                                     ? "key splits"
-                                                                               : nullptr;
+  char const* missing = p.block_table != nullptr || p.seqused_k != nullptr ? "KV caches"
+                        : needs_general(p)                                 ? "windows, softcap, ALiBi and dropout"
+                        : p.num_splits > 1                                 ? "key splits"
+                                                                           : nullptr;
   if (missing != nullptr) {
     throw std::invalid_argument(std::string("cuteflash: the sm90 ") + direction + " kernels do not compute " + missing +
                                 "; the sm80 family's kernels do (CUTEFLASH_BACKEND=auto or sm80)");

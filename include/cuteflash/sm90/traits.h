@@ -9,6 +9,7 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 
+#include "cuteflash/common/params.h"
 #include "cuteflash/common/utils.cuh"
 #include "cuteflash/sm90/tiles.h"
 
@@ -41,6 +42,22 @@ constexpr auto smem_atom() {
     }
   }
 }
+
+// The global tensors the TMA descriptors span, (rows, head dim, heads, batch): a fixed-length batch's operands as they
+// are; a variable-length batch's as one batch of all its rows (total_q, total_k), each sequence's tiles offset by its
+// first row (Sequence::q_row0, k_row0). Rows of a tile past its sequence's end are the next sequence's (or, past the
+// operand's end, zeros): the mask leaves them out of every result (docs/design.md).
+struct GmemExtent {
+  bool varlen;
+  int rows_q, rows_k, batch;
+
+  // varlen: p.cu_seqlens_q != nullptr (known at compile time in a kernel).
+  CUTE_HOST_DEVICE static GmemExtent of(FwdParams const& p, bool varlen) {
+    return {varlen, varlen ? p.total_q : p.seqlen_q, varlen ? p.total_k : p.seqlen_k, varlen ? 1 : p.batch};
+  }
+  // The batch index of the descriptors' tensors that holds batch b's (or, for k and v, kv batch b's) rows.
+  CUTE_HOST_DEVICE int batch_index(int b) const { return varlen ? 0 : b; }
+};
 
 // One forward kernel's shapes: kBlockM query rows (64 per consumer warpgroup), kBlockN keys per step, kStages
 // buffers of K and of V.
@@ -117,6 +134,7 @@ struct FwdTraits {
     uint64_t k_empty[kStages];
     uint64_t v_full[kStages];
     uint64_t v_empty[kStages];
+    uint64_t landed;  // the producer's own, for loads whose rows past the sequence it zeroes (load_zeroing_tail)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
 };
@@ -221,11 +239,13 @@ struct BwdTraits {
     alignas(128) cute::array_aligned<float, kSplitsHeadDim ? 4 : kBlockM * kHeadDim> dq;
     float lse_log2[kStages][kBlockM];  // the rows' lse * log2(e) and D, a stage per query block in flight
     float d[kStages][kBlockM];
-    // mbarriers: K and V loaded (once); stage s of Q and dO loaded (one barrier for both), and released by every
-    // consumer warpgroup.
+    // mbarriers: K and V loaded; stage s of Q and dO loaded (one barrier for both), and released by every consumer
+    // warpgroup; K and V released by every consumer warpgroup (a block that may take several key blocks).
     uint64_t kv_full;
     uint64_t q_full[kStages];
     uint64_t q_empty[kStages];
+    uint64_t kv_empty;
+    uint64_t landed;  // the producer's own, for loads whose rows past the sequence it zeroes (load_zeroing_tail)
     // P^T (kBlockN = 64), laid out as dS^T.
     alignas(kSplitsHeadDim ? 1024 : 16) cute::array_aligned<Element, kSplitsHeadDim ? cosize_v<SmemLayoutdSt> : 8> p;
   };
