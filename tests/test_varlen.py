@@ -123,7 +123,7 @@ def test_varlen_understated_max_seqlen(causal, require_support, assert_close_2x,
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_varlen_rows_past_the_batch_stay_out_of_its_results(
     head_dim, causal, require_support, require_head_dim, assert_close_2x, reference_grads
 ):
