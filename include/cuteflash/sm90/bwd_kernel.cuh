@@ -103,7 +103,7 @@ __device__ __forceinline__ void load_bwd(BwdArgs<Traits> const& args, typename T
                         zero_rows_from<kBlockN, kHeadDim>(keys, [&](int r, int c) { return &sK(r, c); });
                         zero_rows_from<kBlockN, kHeadDim>(keys, [&](int r, int c) { return &sV(r, c); });
                       });
-  } else {
+  } else if (leader) {
     ClusterTransactionBarrier::arrive_and_expect_tx(&smem.kv_full, 2 * Traits::kKVBytes);
     issue_kv(smem.kv_full);
   }
@@ -121,7 +121,7 @@ __device__ __forceinline__ void load_bwd(BwdArgs<Traits> const& args, typename T
                           zero_rows_from<kBlockM, kHeadDim>(rows, [&](int r, int c) { return &sQ(r, c, stage); });
                           zero_rows_from<kBlockM, kHeadDim>(rows, [&](int r, int c) { return &sdO(r, c, stage); });
                         });
-    } else {
+    } else if (leader) {
       ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full[stage], 2 * Traits::kQBytes);
       issue_q(smem.q_full[stage]);
     }

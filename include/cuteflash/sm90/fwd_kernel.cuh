@@ -120,7 +120,7 @@ __device__ __forceinline__ void load_tiles(FwdArgs<Traits> const& args, typename
       load_zeroing_tail(
           &smem.v_full[stage], &smem.landed, landed_phase, Traits::kKVBytes, rows < kBlockN, leader, issue_v,
           [&] { zero_rows_from<kBlockN, kHeadDim>(rows, [&](int r, int c) { return &sVt(c, r, stage); }); });
-    } else {
+    } else if (leader) {
       ClusterTransactionBarrier::arrive_and_expect_tx(&smem.v_full[stage], Traits::kKVBytes);
       issue_v(smem.v_full[stage]);
     }
