@@ -2,8 +2,9 @@
 //
 // After D = rowsum(dO * O) (common/bwd_preprocess.cuh), a thread block owns kBlockN keys of one (sequence, head) and
 // walks the query blocks that see them, recomputing P from Q, K and the forward's log-sum-exp. Warpgroup 0 is the
-// producer: one thread issues the TMA loads of K and V once, then of Q and dO block by block into kStages buffers
-// (full: loaded; empty: both consumer warpgroups are done with it). The two consumer warpgroups compute, per query
+// producer: one thread (in a variable-length batch's kernel, a warp's leader lane: load_bwd) issues the TMA loads of K
+// and V of its key block, then of Q and dO block by block into kStages buffers (full: loaded; empty: both consumer
+// warpgroups are done with it). The two consumer warpgroups compute, per query
 // block, with the scores transposed (keys in rows, the accumulators' M):
 //   S^T = K Q^T, dP^T = V dO^T  ->  P^T = exp(scale S^T - lse), dS^T = scale P^T (dP^T - D)  ->
 //   dV += P^T dO, dK += dS^T Q  ->  dQ = dS K over the block's keys, added to dq_accum

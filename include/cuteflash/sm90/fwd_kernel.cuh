@@ -159,6 +159,7 @@ __device__ __forceinline__ void write_o_staged(FwdParams const& p, typename Trai
   copy_tile_bounded<false>(gmem_copy, gmem_thr.partition_S(sO_rows), gmem_thr.partition_D(gO), cO_rows,
                            rows_left - warpgroup * 64, p.head_dim);
   if constexpr (kReleaseQ) {
+    cutlass::arch::fence_view_async_shared();  // the accesses to sQ come before the producer's next TMA load into it
     cutlass::arch::NamedBarrier::sync(128, barrier);
     if (tid % 128 == 0) ClusterBarrier::arrive(&smem.q_empty);
   }
