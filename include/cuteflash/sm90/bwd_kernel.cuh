@@ -96,18 +96,13 @@ __device__ __forceinline__ void load_bwd(BwdArgs<Traits> const& args, typename T
     copy(args.tma_k.with(barrier), tma_k.partition_S(gK), tma_k.partition_D(sK));
     copy(args.tma_v.with(barrier), tma_v.partition_S(gV), tma_v.partition_D(sV));
   };
-  if constexpr (kVarlen) {
-    ClusterBarrier::wait(&smem.kv_empty, kv_phase ^ 1);
-    const int keys = seq.seqlen_k - n_block * kBlockN;
-    load_zeroing_tail(&smem.kv_full, &smem.landed, landed_phase, 2 * Traits::kKVBytes, keys < kBlockN, leader, issue_kv,
-                      [&] {
-                        zero_rows_from<kBlockN, kHeadDim>(keys, [&](int r, int c) { return &sK(r, c); });
-                        zero_rows_from<kBlockN, kHeadDim>(keys, [&](int r, int c) { return &sV(r, c); });
-                      });
-  } else if (leader) {
-    ClusterTransactionBarrier::arrive_and_expect_tx(&smem.kv_full, 2 * Traits::kKVBytes);
-    issue_kv(smem.kv_full);
-  }
+  if constexpr (kVarlen) ClusterBarrier::wait(&smem.kv_empty, kv_phase ^ 1);
+  const int keys = seq.seqlen_k - n_block * kBlockN;
+  load_zeroing_tail(&smem.kv_full, &smem.landed, landed_phase, 2 * Traits::kKVBytes, kVarlen && keys < kBlockN, leader,
+                    issue_kv, [&] {
+                      zero_rows_from<kBlockN, kHeadDim>(keys, [&](int r, int c) { return &sK(r, c); });
+                      zero_rows_from<kBlockN, kHeadDim>(keys, [&](int r, int c) { return &sV(r, c); });
+                    });
   for (int m_block = queries.begin; m_block < queries.end; ++m_block) {
     ClusterBarrier::wait(&smem.q_empty[ring.stage], ring.phase ^ 1);
     const int stage = ring.stage;
@@ -115,17 +110,12 @@ __device__ __forceinline__ void load_bwd(BwdArgs<Traits> const& args, typename T
       copy(args.tma_q.with(barrier), tQgQ(_, m_block), tQsQ(_, stage));
       copy(args.tma_do.with(barrier), tdOgdO(_, m_block), tdOsdO(_, stage));
     };
-    if constexpr (kVarlen) {
-      const int rows = seq.seqlen_q - m_block * kBlockM;
-      load_zeroing_tail(&smem.q_full[stage], &smem.landed, landed_phase, 2 * Traits::kQBytes, rows < kBlockM, leader,
-                        issue_q, [&] {
-                          zero_rows_from<kBlockM, kHeadDim>(rows, [&](int r, int c) { return &sQ(r, c, stage); });
-                          zero_rows_from<kBlockM, kHeadDim>(rows, [&](int r, int c) { return &sdO(r, c, stage); });
-                        });
-    } else if (leader) {
-      ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full[stage], 2 * Traits::kQBytes);
-      issue_q(smem.q_full[stage]);
-    }
+    const int rows = seq.seqlen_q - m_block * kBlockM;
+    load_zeroing_tail(&smem.q_full[stage], &smem.landed, landed_phase, 2 * Traits::kQBytes, kVarlen && rows < kBlockM,
+                      leader, issue_q, [&] {
+                        zero_rows_from<kBlockM, kHeadDim>(rows, [&](int r, int c) { return &sQ(r, c, stage); });
+                        zero_rows_from<kBlockM, kHeadDim>(rows, [&](int r, int c) { return &sdO(r, c, stage); });
+                      });
     ring.advance();
   }
 }
@@ -382,8 +372,8 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
     const bool is_signaling = tid % 128 == 0;  // one arrival per warpgroup releases a buffer
 
     ClusterTransactionBarrier::wait(&smem.kv_full, state.kv_phase);
-    RingState<Traits::kStages> ring = state.ring;
-    int ds_stage = state.buf;
+    RingState<Traits::kStages>& ring = state.ring;
+    int& ds_stage = state.buf;
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});  // outlives a step (below)
     auto issue_s = [&]() __attribute__((always_inline)) {
       ClusterTransactionBarrier::wait(&smem.q_full[ring.stage], ring.phase);
@@ -442,8 +432,6 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
     };
     walk_query_blocks<Traits>(p, smem, seq, row_stats, queries, ring.stage, tid, issue_s, step);
     if (kDq && is_signaling) bulk_wait_all();  // dq_accum holds the sums before the block ends
-    state.ring = ring;
-    state.buf = ds_stage;
     release_kv(smem, state, tid);
   }
 
@@ -541,8 +529,7 @@ __device__ __forceinline__ void compute_bwd_split(BwdParams const& p, typename T
       }
       if constexpr (decltype(has_next)::value) issue_s();
     };
-    walk_query_blocks<Traits>(p, smem, seq, row_stats, queries, State::kSeveralKeyBlocks ? ring.stage : 0, tid, issue_s,
-                              step);
+    walk_query_blocks<Traits>(p, smem, seq, row_stats, queries, ring.stage, tid, issue_s, step);
     release_kv(smem, state, tid);
   }
 

@@ -115,15 +115,10 @@ __device__ __forceinline__ void load_tiles(FwdArgs<Traits> const& args, typename
     ClusterBarrier::wait(&smem.v_empty[ring.stage], ring.phase ^ 1);
     const int stage = ring.stage;
     auto issue_v = [&](uint64_t& barrier) { copy(args.tma_v.with(barrier), tVgVt(_, n_block), tVsVt(_, stage)); };
-    if constexpr (kVarlen) {
-      const int rows = seq.seqlen_k - n_block * kBlockN;
-      load_zeroing_tail(
-          &smem.v_full[stage], &smem.landed, landed_phase, Traits::kKVBytes, rows < kBlockN, leader, issue_v,
-          [&] { zero_rows_from<kBlockN, kHeadDim>(rows, [&](int r, int c) { return &sVt(c, r, stage); }); });
-    } else if (leader) {
-      ClusterTransactionBarrier::arrive_and_expect_tx(&smem.v_full[stage], Traits::kKVBytes);
-      issue_v(smem.v_full[stage]);
-    }
+    const int rows = seq.seqlen_k - n_block * kBlockN;
+    load_zeroing_tail(
+        &smem.v_full[stage], &smem.landed, landed_phase, Traits::kKVBytes, kVarlen && rows < kBlockN, leader, issue_v,
+        [&] { zero_rows_from<kBlockN, kHeadDim>(rows, [&](int r, int c) { return &sVt(c, r, stage); }); });
     ring.advance();
   }
 }
