@@ -45,8 +45,8 @@ constexpr auto smem_atom() {
 
 // The global tensors the TMA descriptors span, (rows, head dim, heads, batch): a fixed-length batch's operands as they
 // are; a variable-length batch's as one batch of all its rows (total_q, total_k), each sequence's tiles offset by its
-// first row (Sequence::q_row0, k_row0). Rows of a tile past its sequence's end are the next sequence's (or, past the
-// operand's end, zeros): the mask leaves them out of every result (docs/design.md).
+// first row (Sequence::q_row0, k_row0). TMA brings the rows of a tile past its sequence's end from the next sequence
+// (or, past the operand's end, zeros); the producer zeroes those that a product would read (load_zeroing_tail).
 struct GmemExtent {
   bool varlen;
   int rows_q, rows_k, batch;
