@@ -110,14 +110,19 @@ PLAIN = Call("fwd", "fp16", 128)
         (Call("fwd", "fp16", 128, varlen=True), "sm90"),
         (Call("bwd", "fp16", 128, varlen=True, deterministic=True), "sm90"),
         (Call("bwd", "fp16", 64, varlen=True), "sm80"),  # no sm90 backward kernel of that head dim in this build
-        (Call("fwd", "fp16", 128, varlen=True, options=True), "sm80"),
-        (Call("fwd", "fp16", 128, options=True), "sm80"),
+        (Call("fwd", "fp16", 128, window=True), "sm90"),
+        (Call("bwd", "fp16", 128, varlen=True, window=True, alibi=True, deterministic=True), "sm90"),
+        (Call("fwd", "fp16", 128, alibi=True), "sm90"),
+        (Call("fwd", "fp16", 128, varlen=True, softcap=True), "sm90"),
+        (Call("bwd", "fp16", 128, window=True, softcap=True, alibi=True), "sm90"),
+        (Call("fwd", "fp16", 128, dropout=True), "sm80"),
+        (Call("bwd", "fp16", 128, alibi=True, dropout=True), "sm80"),
         (Call("fwd", "fp16", 128, cache=True), "sm80"),
         (Call("fwd", "fp16", 128, broadcast=True), "sm80"),  # TMA takes no stride of 0
         (Call("fwd", "bf16", 64), "sm80"),  # no sm90 kernel of that dtype and head dim in this build
         (Call("fwd", "fp16", 256), "sm80"),
         (Call("fwd", "fp16", None), "sm80"),  # above the largest kernel head dim: sm80's error names it
-        (Call("fwd", None, None, options=True), "sm80"),  # the dropout mask
+        (Call("fwd", None, None, dropout=True), "sm80"),  # the dropout mask
     ],
 )
 def test_the_rule_sends_what_sm90_lacks_to_sm80(call, family):
@@ -128,7 +133,11 @@ def test_the_rule_sends_what_sm90_lacks_to_sm80(call, family):
 def test_a_family_without_a_delegate_takes_every_call():
     for name in ("sm70", "sm75", "sm80"):
         assert _families.get(name).delegate is None
-        for call in (PLAIN, Call("bwd", "bf16", 256, varlen=True, options=True, cache=True), Call("fwd", None, None)):
+        for call in (
+            PLAIN,
+            Call("bwd", "bf16", 256, varlen=True, softcap=True, dropout=True, cache=True),
+            Call("fwd", None, None),
+        ):
             assert _families.computing_family(name, call, frozenset()) == name
 
 
@@ -146,16 +155,18 @@ def test_broadcast_operands_are_expanded_dimensions():
     assert _ops._broadcast(x[:, :, :1].expand(2, 3, 4, 8)) and _ops._broadcast(x, x[:1].expand(2, 3, 4, 8))
 
 
-def test_options_are_what_the_general_kernels_compute():
-    assert not _ops._has_options(_ops.NO_OPTIONS) and not _ops._has_options(_ops.Options(-1, -1, 0.0))
-    for options in (
-        _ops.Options(window_left=0),
-        _ops.Options(window_right=128),
-        _ops.Options(softcap=30.0),
-        _ops.Options(alibi_slopes=torch.ones(4)),
-        _ops.Options(dropout_p=0.1),
+def test_each_option_is_its_own_feature():
+    for options in (_ops.NO_OPTIONS, _ops.Options(-1, -1, 0.0)):
+        assert not any(_ops._option_features(options).values())
+    for options, feature in (
+        (_ops.Options(window_left=0), "window"),
+        (_ops.Options(window_right=128), "window"),
+        (_ops.Options(softcap=30.0), "softcap"),
+        (_ops.Options(alibi_slopes=torch.ones(4)), "alibi"),
+        (_ops.Options(dropout_p=0.1), "dropout"),
     ):
-        assert _ops._has_options(options), options
+        used = {name for name, on in _ops._option_features(options).items() if on}
+        assert used == {feature} and feature in _families.FEATURES, options
 
 
 @pytest.fixture
@@ -184,7 +195,7 @@ def test_forced_sm90_computes_its_calls_and_hands_the_others_to_sm80(hopper_buil
     assert _lib.select_family(0) == "sm90"
     assert _lib.call_family(0, PLAIN) == "sm90"
     assert _lib.call_family(0, Call("fwd", "fp16", 128, varlen=True)) == "sm90"
-    for call in (Call("bwd", "fp16", 64), Call("fwd", "fp16", 128, varlen=True, options=True), Call("fwd", "fp16", 96)):
+    for call in (Call("bwd", "fp16", 64), Call("fwd", "fp16", 128, varlen=True, dropout=True), Call("fwd", "fp16", 96)):
         assert _lib.call_family(0, call) == "sm80"
 
 
@@ -203,7 +214,7 @@ def test_the_delegate_must_be_compiled_and_run_here(hopper_build, monkeypatch):
     hopper_build(runs_sm80=False, families={"sm80": "8.0", "sm90": "9.0a"})
     monkeypatch.setenv(_lib.BACKEND_ENV, "sm90")
     with pytest.raises(RuntimeError, match=r"sm80 kernels were compiled for 8\.0, which cannot run on NVIDIA H200"):
-        _lib.call_family(0, Call("fwd", "fp16", 128, options=True))
+        _lib.call_family(0, Call("fwd", "fp16", 128, dropout=True))
 
 
 def test_a_plan_keeps_its_family(hopper_build, monkeypatch):

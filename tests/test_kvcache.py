@@ -267,8 +267,15 @@ def test_decoding_up_to_16_rows(causal, window, softcap, alibi, shape, head_dim,
     seqlen_q, nheads, nheads_k = shape
     batch, rows = 2, 1024
     # (the family that computes these calls: the registry's rule)
-    has_options = window != (-1, -1) or softcap > 0 or alibi
-    call = Call("fwd", "fp16", kernel_head_dim(head_dim), options=has_options, cache=True)
+    call = Call(
+        "fwd",
+        "fp16",
+        kernel_head_dim(head_dim),
+        window=window != (-1, -1),
+        softcap=softcap > 0,
+        alibi=alibi,
+        cache=True,
+    )
     family = call_family(torch.device("cuda"), call)
     plan = compiled_module().fwd_plan
     assert plan(family, batch, nheads, nheads_k, seqlen_q, rows, head_dim, False, False, True, 0)[0], (

@@ -79,6 +79,52 @@ def test_alibi(dtype, per_batch, causal, make_qkv, assert_close_2x, require_supp
     _check(q, k, v, assert_close_2x, causal=causal, alibi_slopes=_slopes(2, 8, per_batch))
 
 
+MANY_BLOCKS = {
+    "window": dict(window_size=(300, 40)),
+    "causal-window-alibi": dict(causal=True, window_size=(257, -1), alibi=True),
+    "alibi": dict(alibi=True),
+    "causal-softcap-alibi": dict(causal=True, softcap=5.0, alibi=True),
+}
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("options", MANY_BLOCKS.values(), ids=MANY_BLOCKS.keys())
+def test_windows_and_alibi_over_many_blocks(
+    options, dtype, head_dim, make_qkv, assert_close_2x, require_support, require_head_dim
+):
+    """Sequences of several query and key blocks, whose windows begin and end inside blocks on both sides (and leave
+    whole blocks out), with and without ALiBi, and the softcap with ALiBi, at every head dim."""
+    require_support(dtype, backward=True)
+    require_head_dim(head_dim)
+    q, k, v = make_qkv(2, 700, 900, 4, 2, head_dim, dtype)
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = _slopes(2, 4, True)
+    _check(q, k, v, assert_close_2x, **options)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_windows_and_alibi_deterministic(head_dim, make_qkv, assert_close_2x, require_support, require_head_dim):
+    """A deterministic backward pass with a window and ALiBi: the reference's gradients (2x rule), the same bits
+    twice."""
+    require_support(torch.float16, backward=True)
+    require_head_dim(head_dim)
+    q, k, v = make_qkv(2, 500, 600, 4, 2, head_dim, torch.float16)
+    options = dict(causal=True, window_size=(200, -1), alibi_slopes=_slopes(2, 4, False))
+    dout = torch.randn_like(q)
+    _, _, grads_ref = _reference(q, k, v, dout, torch.float64, **options)
+    _, _, grads_pt = _reference(q, k, v, dout, q.dtype, **options)
+    grads = []
+    for _ in range(2):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        flash_attn_func(*leaves, deterministic=True, **options).backward(dout)
+        grads.append([t.grad for t in leaves])
+    for name, first, second, r, p in zip(("dq", "dk", "dv"), *grads, grads_ref, grads_pt):
+        assert_close_2x(name, first, r, p)
+        assert torch.equal(first, second), name
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_everything_together(head_dim, deterministic, make_qkv, assert_close_2x, require_support, require_head_dim):
@@ -104,9 +150,11 @@ def test_everything_together(head_dim, deterministic, make_qkv, assert_close_2x,
             assert torch.equal(leaf.grad, other.grad)
 
 
+@pytest.mark.parametrize("softcap", [8.0, 0.0])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_with_options(causal, assert_close_2x, require_support):
-    """Each sequence of a variable-length batch with its own window, softcap and ALiBi slopes per (batch, head)."""
+def test_varlen_with_options(causal, softcap, assert_close_2x, require_support):
+    """Each sequence of a variable-length batch with its own window, softcap (or none) and ALiBi slopes per (batch,
+    head)."""
     require_support(torch.float16, backward=True)
     lengths_q, lengths_k = [0, 1, 75, 190, 33], [40, 0, 130, 190, 1]
     nheads, nheads_k, head_dim = 4, 2, 64
@@ -114,7 +162,7 @@ def test_varlen_with_options(causal, assert_close_2x, require_support):
     q = torch.randn(sum(lengths_q), nheads, head_dim, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(sum(lengths_k), nheads_k, head_dim, device="cuda", dtype=torch.float16) for _ in range(2))
     slopes = _slopes(len(lengths_q), nheads, True)
-    options = dict(causal=causal, window_size=(30, 20), softcap=8.0)
+    options = dict(causal=causal, window_size=(30, 20), softcap=softcap)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, lse, _ = flash_attn_varlen_func(
         *leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), alibi_slopes=slopes, return_attn_probs=True, **options

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 # What a call may use beyond a plain one (a fixed-length batch without options or cache): a variable-length batch
-# (cu_seqlens), options (a sliding window, softcap, ALiBi or dropout), a KV cache (read, paged, or appended to), an
-# operand read in place with a stride of 0 over more than one element (an expanded tensor; TMA takes no such stride), a
-# deterministic backward pass.
-FEATURES = ("varlen", "options", "cache", "broadcast", "deterministic")
+# (cu_seqlens), each of the options (a sliding window, softcap, ALiBi, dropout), a KV cache (read, paged, or appended
+# to), an operand read in place with a stride of 0 over more than one element (an expanded tensor; TMA takes no such
+# stride), a deterministic backward pass.
+FEATURES = ("varlen", "window", "softcap", "alibi", "dropout", "cache", "broadcast", "deterministic")
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ FAMILIES: tuple[Family, ...] = (
         defines=("NDEBUG", "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"),
         delegate="sm80",  # (whose lse and out are laid out alike: its backward takes this family's forward)
         # (A deterministic pass: its dK/dV kernel, then the sm80 family's dQ kernel.)
-        features=("varlen", "deterministic"),
+        features=("varlen", "window", "softcap", "alibi", "deterministic"),
         decode_from="sm80",
     ),
 )
@@ -181,7 +181,10 @@ class Call(NamedTuple):
     dtype: str | None  # "fp16" or "bf16"
     head_dim: int | None  # the kernel head dim that computes it (_lib.kernel_head_dim); None above the largest
     varlen: bool = False  # a variable-length batch (cu_seqlens)
-    options: bool = False  # a sliding window, softcap, ALiBi or dropout
+    window: bool = False  # a sliding window (a side of window_size bounded)
+    softcap: bool = False
+    alibi: bool = False  # ALiBi slopes
+    dropout: bool = False
     cache: bool = False  # reads a KV cache (paged or not), or appends to one
     broadcast: bool = False  # an operand with a stride of 0 over a dimension of more than one element
     deterministic: bool = False  # a backward pass asked to be bitwise reproducible
@@ -194,8 +197,7 @@ def takes(family: Family, call: Call, compiled_kernels) -> bool:
     dtype, head dim) of each compiled kernel, in the registry's names (fp16, bf16)."""
     if family.delegate is None:
         return True
-    flags = (call.varlen, call.options, call.cache, call.broadcast, call.deterministic)
-    used = {name for name, on in zip(FEATURES, flags) if on}
+    used = {name for name in FEATURES if getattr(call, name)}
     return (
         call.direction in family.directions
         and used <= set(family.features)

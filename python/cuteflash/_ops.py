@@ -186,16 +186,15 @@ class Options(NamedTuple):
 NO_OPTIONS = Options()
 
 
-def _has_options(options: Options) -> bool:
-    """Whether a call sets an option: what only the general kernel variants compute (host/launch.h's needs_general,
-    which also counts a KV cache)."""
-    return options is not NO_OPTIONS and (
-        options.window_left >= 0
-        or options.window_right >= 0
-        or options.softcap > 0
-        or options.alibi_slopes is not None
-        or options.dropout_p > 0
-    )
+def _option_features(options: Options) -> dict[str, bool]:
+    """Which of the registry's option features (_families.FEATURES) a call uses: what only the general kernel variants
+    compute (host/launch.h's needs_general, which also counts a KV cache)."""
+    return {
+        "window": options.window_left >= 0 or options.window_right >= 0,
+        "softcap": options.softcap > 0,
+        "alibi": options.alibi_slopes is not None,
+        "dropout": options.dropout_p > 0,
+    }
 
 
 def _broadcast(*operands: torch.Tensor) -> bool:
@@ -220,11 +219,11 @@ def _family_for(
         direction,
         _DTYPE_NAMES.get(q.dtype),
         kernel_head_dim(q.shape[-1]),
-        varlen,
-        _has_options(options),
-        cache,
-        _broadcast(*operands),
-        deterministic,
+        varlen=varlen,
+        cache=cache,
+        broadcast=_broadcast(*operands),
+        deterministic=deterministic,
+        **_option_features(options),
     )
     return call_family(q.device, call, family)
 
@@ -1098,7 +1097,7 @@ def dropout_mask(
         (batch, nheads, _round128(seqlen_q), _round128(seqlen_k)), dtype=torch.uint8, device=rng_state.device
     )
     # (the family that computes the call's forward pass: one with dropout, of no particular dtype or head dim)
-    family = call_family(rng_state.device, _families.Call("fwd", None, None, cu_seqlens_q is not None, options=True))
+    family = call_family(rng_state.device, _families.Call("fwd", None, None, cu_seqlens_q is not None, dropout=True))
     _launch(
         rng_state.device,
         compiled_module().dropout_mask,

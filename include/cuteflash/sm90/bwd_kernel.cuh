@@ -50,11 +50,12 @@ constexpr uint32_t kDsWrittenBarrier = 1;
 // The named barriers (2 + w) at which consumer warpgroup w's threads have written their dQ to shared memory.
 constexpr uint32_t kDqWrittenBarrier = 2;
 
-// The producer, for key block n_block: K and V (kVarlen: once the consumers released the block's previous ones,
+// The producer, for key block n_block: K and V (walks_tiles(V): once the consumers released the block's previous ones,
 // kv_phase: the parity of the block's key blocks with queries before this one), then Q and dO of each query block in
-// `queries`, in order (the ring continues from one key block to the next). One thread (leader), or, kVarlen, the
-// producer's warp, whose leader lane issues the loads: rows past the sequence are zeroed (load_zeroing_tail).
-template <typename Traits, bool kVarlen>
+// `queries`, in order (the ring continues from one key block to the next). One thread (leader), or, walks_tiles(V),
+// the producer's warp, whose leader lane issues the loads: in a variable-length batch rows past the sequence are zeroed
+// (load_zeroing_tail).
+template <typename Traits, Variant V>
 __device__ __forceinline__ void load_bwd(BwdArgs<Traits> const& args, typename Traits::SharedStorage& smem,
                                          Sequence const& seq, int head, int n_block, BlockRange const& queries,
                                          RingState<Traits::kStages>& ring, uint32_t kv_phase, uint32_t& landed_phase,
@@ -62,7 +63,8 @@ __device__ __forceinline__ void load_bwd(BwdArgs<Traits> const& args, typename T
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   BwdParams const& p = args.p;
   const int head_k = head / (p.nheads / p.nheads_k);
-  const GmemExtent extent = GmemExtent::of(p, kVarlen);
+  const bool varlen = reads_varlen<V>(p);
+  const GmemExtent extent = GmemExtent::of(p, varlen);
   auto q_shape = make_shape(extent.rows_q, p.head_dim, p.nheads, extent.batch);
   auto k_shape = make_shape(extent.rows_k, p.head_dim, p.nheads_k, extent.batch);
   // The sequence's rows from its first, (rows, head dim).
@@ -96,9 +98,9 @@ __device__ __forceinline__ void load_bwd(BwdArgs<Traits> const& args, typename T
     copy(args.tma_k.with(barrier), tma_k.partition_S(gK), tma_k.partition_D(sK));
     copy(args.tma_v.with(barrier), tma_v.partition_S(gV), tma_v.partition_D(sV));
   };
-  if constexpr (kVarlen) ClusterBarrier::wait(&smem.kv_empty, kv_phase ^ 1);
+  if constexpr (walks_tiles(V)) ClusterBarrier::wait(&smem.kv_empty, kv_phase ^ 1);
   const int keys = seq.seqlen_k - n_block * kBlockN;
-  load_zeroing_tail(&smem.kv_full, &smem.landed, landed_phase, 2 * Traits::kKVBytes, kVarlen && keys < kBlockN, leader,
+  load_zeroing_tail(&smem.kv_full, &smem.landed, landed_phase, 2 * Traits::kKVBytes, varlen && keys < kBlockN, leader,
                     issue_kv, [&] {
                       zero_rows_from<kBlockN, kHeadDim>(keys, [&](int r, int c) { return &sK(r, c); });
                       zero_rows_from<kBlockN, kHeadDim>(keys, [&](int r, int c) { return &sV(r, c); });
@@ -111,7 +113,7 @@ __device__ __forceinline__ void load_bwd(BwdArgs<Traits> const& args, typename T
       copy(args.tma_do.with(barrier), tdOgdO(_, m_block), tdOsdO(_, stage));
     };
     const int rows = seq.seqlen_q - m_block * kBlockM;
-    load_zeroing_tail(&smem.q_full[stage], &smem.landed, landed_phase, 2 * Traits::kQBytes, kVarlen && rows < kBlockM,
+    load_zeroing_tail(&smem.q_full[stage], &smem.landed, landed_phase, 2 * Traits::kQBytes, varlen && rows < kBlockM,
                       leader, issue_q, [&] {
                         zero_rows_from<kBlockM, kHeadDim>(rows, [&](int r, int c) { return &sQ(r, c, stage); });
                         zero_rows_from<kBlockM, kHeadDim>(rows, [&](int r, int c) { return &sdO(r, c, stage); });
@@ -177,17 +179,59 @@ __device__ __forceinline__ void store_stat(typename Traits::SharedStorage& smem,
 }
 
 // The mask on this thread's scores of query block m_block and key block n_block, transposed: s (keys, query rows) and
-// cS_rc, their (key, row) in the tile.
-template <typename Traits, typename Scores, typename Coords>
+// cS_rc, their (key, row) in the tile; a row's first key is tested only where the policy bounds the left side.
+template <typename Traits, Variant V, typename Scores, typename Coords>
 __device__ __forceinline__ void mask_transposed(BwdParams const& p, Sequence const& seq, int m_block, int n_block,
                                                 Scores& s, Coords const& cS_rc) {
-  const auto mask = mask_policy<Variant::kFixed>(p, seq);
+  const auto mask = mask_policy<V>(p, seq);
   CUTE_UNROLL
   for (int ni = 0; ni < size<1>(s); ++ni) {
-    const int key_end = mask.key_end(m_block * Traits::kBlockM + get<1>(cS_rc(0, ni)));
+    const int row = m_block * Traits::kBlockM + get<1>(cS_rc(0, ni));
+    const int key_begin = mask.key_begin(row), key_end = mask.key_end(row);
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(s); ++mi) {
-      if (n_block * Traits::kBlockN + get<0>(cS_rc(mi, ni)) >= key_end) s(mi, ni) = -INFINITY;
+      const int key = n_block * Traits::kBlockN + get<0>(cS_rc(mi, ni));
+      if ((mask.left_bounded() && key < key_begin) || key >= key_end) s(mi, ni) = -INFINITY;
+    }
+  }
+}
+
+// f(mi, ni, ALiBi's term) for each of this thread's scores (keys, query rows) of query block m_block and key block
+// n_block, cS_rc their (key, row) in the tile: apply_score_mods's term (ScoreMods::bias), the other way round (a float
+// per row, minus constants per key).
+template <typename Traits, typename Coords, typename F>
+__device__ __forceinline__ void for_alibi_transposed(ScoreMods const& mods, int m_block, int n_block,
+                                                     Coords const& cS_rc, F&& f) {
+  const int key_first = get<0>(cS_rc(0, 0));
+  CUTE_UNROLL
+  for (int ni = 0; ni < size<1>(cS_rc); ++ni) {
+    const float dist0 =
+        float(m_block * Traits::kBlockM + get<1>(cS_rc(0, ni)) + mods.shift - n_block * Traits::kBlockN - key_first);
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(cS_rc); ++mi) f(mi, ni, mods.bias(dist0 - float(get<0>(cS_rc(mi, ni)) - key_first)));
+  }
+}
+
+// The softcap's factor in dS^T (dP^T - D scaled, keys by rows) in place: p.softcap (1 - tanh^2), the softcap's value
+// recovered from P^T (probs; lse_log2[ni]: row ni's) rather than kept from the forward's scores in registers:
+// P = exp2((tanh + ALiBi's term) scale log2(e) - lse log2(e)). A P of 0 (masked, or too small for fp32) gives a factor
+// of 0 (1 - tanh^2 is never below).
+template <typename Traits, typename Grads, typename Probs, typename Coords>
+__device__ __forceinline__ void apply_softcap_grad_transposed(BwdParams const& p, ScoreMods const& mods, int m_block,
+                                                              int n_block, Grads& ds, Probs const& probs,
+                                                              float const* lse_log2, Coords const& cS_rc) {
+  const float inv_scale = 1.f / p.softmax_scale_log2;
+  auto scale_by = [&](int mi, int ni, float bias) __attribute__((always_inline)) {
+    const float t = fmaf(__log2f(probs(mi, ni)) + lse_log2[ni], inv_scale, -bias);
+    ds(mi, ni) *= p.softcap * fmaxf(1.f - t * t, 0.f);
+  };
+  if (mods.alibi != 0.f) {
+    for_alibi_transposed<Traits>(mods, m_block, n_block, cS_rc, scale_by);
+  } else {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(ds); ++ni) {
+      CUTE_UNROLL
+      for (int mi = 0; mi < size<0>(ds); ++mi) scale_by(mi, ni, 0.f);
     }
   }
 }
@@ -244,15 +288,16 @@ __device__ __forceinline__ void store_dkdv(BwdParams const& p, Sequence const& s
 
 // A step's scores, once its S^T (acc_s) is issued: lse and D of this thread's query rows (stage's; D read where it is
 // used when a thread holds 32 rows, for the registers), this thread's share of the next block's statistics (returned,
-// kHasNext) and its stage (next_stage), dP^T issued once S^T is done and run under the exponentials. On return acc_s
-// holds P^T and acc_dp dS^T.
-template <typename Traits, bool kMasked, bool kHasNext, typename TiledMma, typename TV, typename TdO, typename Acc,
-          typename Coords>
+// kHasNext) and its stage (next_stage), dP^T issued once S^T is done and run under the exponentials; has_options(V):
+// the softcap (has_softcap(V)) and ALiBi's term (mods, where it has a slope) before the mask. On return acc_s holds P^T
+// and acc_dp dS^T.
+template <typename Traits, Variant V, bool kMasked, bool kHasNext, typename TiledMma, typename TV, typename TdO,
+          typename Acc, typename Coords>
 __device__ __forceinline__ float probs_and_grads(BwdParams const& p, typename Traits::SharedStorage& smem,
-                                                 Sequence const& seq, int64_t row_stats, int stage, int m_block,
-                                                 int n_block, int tid, TiledMma& mma_sdp, TV const& tdPrV,
-                                                 TdO const& tdPrdO, Acc& acc_s, Acc& acc_dp, Coords const& cS_rc,
-                                                 int& next_stage) {
+                                                 Sequence const& seq, ScoreMods const& mods, int64_t row_stats,
+                                                 int stage, int m_block, int n_block, int tid, TiledMma& mma_sdp,
+                                                 TV const& tdPrV, TdO const& tdPrdO, Acc& acc_s, Acc& acc_dp,
+                                                 Coords const& cS_rc, int& next_stage) {
   constexpr int kCols = decltype(size<1>(cS_rc))::value;  // query rows a thread holds
   constexpr bool kEarlyD = kCols <= 16;
   float lse_log2[kCols], d[kEarlyD ? kCols : 1];
@@ -268,12 +313,24 @@ __device__ __forceinline__ float probs_and_grads(BwdParams const& p, typename Tr
   gmma<true, -1>(mma_sdp, tdPrV, tdPrdO, acc_dp);
   warpgroup_fence_operand(acc_s);
   Tensor s = make_tensor(acc_s.data(), acc_rowcol_gmma(acc_s.layout()));  // (keys, rows)
-  if constexpr (kMasked) mask_transposed<Traits>(p, seq, m_block, n_block, s, cS_rc);
+  if constexpr (has_softcap(V)) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(s); ++i) s(i) = tanh_fast(s(i) * mods.softcap);
+  }
+  if constexpr (has_options(V)) {
+    if (mods.alibi != 0.f) {
+      for_alibi_transposed<Traits>(mods, m_block, n_block, cS_rc,
+                                   [&](int mi, int ni, float bias) { s(mi, ni) += bias; });
+    }
+  }
+  if constexpr (kMasked) mask_transposed<Traits, V>(p, seq, m_block, n_block, s, cS_rc);
   exp_scores(p, s, lse_log2);
   warpgroup_wait<0>();  // dP^T is done
   warpgroup_fence_operand(acc_dp);
   Tensor dp = make_tensor(acc_dp.data(), acc_rowcol_gmma(acc_dp.layout()));
   grad_scores(p, dp, s, [&](int ni) { return kEarlyD ? d[ni] : smem.d[stage][get<1>(cS_rc(0, ni))]; });
+  if constexpr (has_softcap(V))
+    apply_softcap_grad_transposed<Traits>(p, mods, m_block, n_block, dp, s, lse_log2, cS_rc);
   return next_stat;
 }
 
@@ -335,7 +392,7 @@ __device__ __forceinline__ void release_kv(SharedStorage& smem, State& state, in
 
 // A consumer warpgroup's thread (tid: its index among the consumers): the query blocks, then dK and dV of its keys.
 // kDq: false in a deterministic pass, whose dQ the sm80 family's dQ kernel computes after this one.
-template <typename Traits, bool kDq, typename State>
+template <typename Traits, bool kDq, Variant V, typename State>
 __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits::SharedStorage& smem,
                                             Sequence const& seq, int head, int n_block, BlockRange const& queries,
                                             int tid, State& state) {
@@ -369,6 +426,7 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
     Tensor cS_rc = make_tensor(cS.data(), acc_rowcol_gmma(cS.layout()));  // (keys, query rows) -> (key, row)
     const int64_t row_stats = seq.stats(p, head);
+    const ScoreMods mods = has_options(V) ? ScoreMods::make(p, seq, head) : ScoreMods{};
     const bool is_signaling = tid % 128 == 0;  // one arrival per warpgroup releases a buffer
 
     ClusterTransactionBarrier::wait(&smem.kv_full, state.kv_phase);
@@ -391,8 +449,8 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
     auto step = [&](int m_block, auto masked, auto has_next) __attribute__((always_inline)) {
       int next_stage;
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-      const float next_stat = probs_and_grads<Traits, decltype(masked)::value, decltype(has_next)::value>(
-          p, smem, seq, row_stats, ring.stage, m_block, n_block, tid, mma_sdp, tdPrV, tdPrdO(_, _, _, ring.stage),
+      const float next_stat = probs_and_grads<Traits, V, decltype(masked)::value, decltype(has_next)::value>(
+          p, smem, seq, mods, row_stats, ring.stage, m_block, n_block, tid, mma_sdp, tdPrV, tdPrdO(_, _, _, ring.stage),
           acc_s, acc_dp, cS_rc, next_stage);
       Tensor rP = make_tensor<Element>(acc_s.layout());
       Tensor rdS = make_tensor<Element>(acc_dp.layout());
@@ -443,7 +501,7 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
 // memory, and past the barrier at which both halves are there, dV, dK and dQ of the head dim's half w, every operand
 // from shared memory. Each thread adds its dQ to dq_accum itself (a block's dQ in fp32 would not fit beside the
 // stages of Q and dO).
-template <typename Traits, bool kDq, typename State>
+template <typename Traits, bool kDq, Variant V, typename State>
 __device__ __forceinline__ void compute_bwd_split(BwdParams const& p, typename Traits::SharedStorage& smem,
                                                   Sequence const& seq, int head, int n_block, BlockRange const& queries,
                                                   int tid, State& state) {
@@ -481,6 +539,7 @@ __device__ __forceinline__ void compute_bwd_split(BwdParams const& p, typename T
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
     Tensor cS_rc = make_tensor(cS.data(), acc_rowcol_gmma(cS.layout()));  // (keys, query rows) -> (key, row)
     const int64_t row_stats = seq.stats(p, head);
+    const ScoreMods mods = has_options(V) ? ScoreMods::make(p, seq, head) : ScoreMods{};
     const bool is_signaling = tid % 128 == 0;  // one arrival per warpgroup releases a buffer
 
     ClusterTransactionBarrier::wait(&smem.kv_full, state.kv_phase);
@@ -494,8 +553,8 @@ __device__ __forceinline__ void compute_bwd_split(BwdParams const& p, typename T
     auto step = [&](int m_block, auto masked, auto has_next) __attribute__((always_inline)) {
       int next_stage;
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-      const float next_stat = probs_and_grads<Traits, decltype(masked)::value, decltype(has_next)::value>(
-          p, smem, seq, row_stats, ring.stage, m_block, n_block, tid, mma_sdp, tdPrV, tdPrdO(_, _, _, ring.stage),
+      const float next_stat = probs_and_grads<Traits, V, decltype(masked)::value, decltype(has_next)::value>(
+          p, smem, seq, mods, row_stats, ring.stage, m_block, n_block, tid, mma_sdp, tdPrV, tdPrdO(_, _, _, ring.stage),
           acc_s, acc_dp, cS_rc, next_stage);
       Tensor rP = make_tensor<Element>(acc_s.layout());
       Tensor rdS = make_tensor<Element>(acc_dp.layout());
@@ -536,11 +595,11 @@ __device__ __forceinline__ void compute_bwd_split(BwdParams const& p, typename T
   store_dkdv<Traits>(p, seq, head, n_block, acc_dk, acc_dv, tid);
 }
 
-// A thread block per key block of each (sequence, head) up to the params' bound: fixed-length batches (kVarlen:
-// variable-length ones) without options (the registry sends the other calls to the sm80 family). kVarlen: a block
-// takes its key block and every gridDim.x-th after it while within its sequence (which may be longer than the bound,
-// max_seqlen_k).
-template <typename Traits, bool kDq, bool kVarlen>
+// A thread block per key block of each (sequence, head) up to the params' bound, for a kernel of variant V
+// (fwd_kernel's: fixed-length batches, variable-length ones, either kind with windows and ALiBi, and kSoftcap with the
+// softcap too; the registry sends the calls with dropout to the sm80 family). walks_tiles(V): a block takes its key
+// block and every gridDim.x-th after it while within its sequence (which may be longer than the bound, max_seqlen_k).
+template <typename Traits, bool kDq, Variant V>
 static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     bwd_kernel(CUTLASS_GRID_CONSTANT BwdArgs<Traits> const args) {
   extern __shared__ __align__(1024) char smem_raw[];
@@ -553,7 +612,7 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     ClusterTransactionBarrier::init(&smem.kv_full, 1);
-    if constexpr (kVarlen) {
+    if constexpr (walks_tiles(V)) {
       ClusterBarrier::init(&smem.kv_empty, Traits::kConsumerWarpgroups);
       ClusterTransactionBarrier::init(&smem.landed, 1);
     }
@@ -566,12 +625,12 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
   __syncthreads();  // the last barrier of the whole block: the producer's other warps leave below
 
   const int n_block = int(blockIdx.x), head = int(blockIdx.y);
-  constexpr Variant V = kVarlen ? Variant::kVarlen : Variant::kFixed;
   const Sequence seq = sequence<V>(p, int(blockIdx.z));
   const BlockRange queries = mask_policy<V>(p, seq).template query_blocks<Traits::kBlockM, Traits::kBlockN>(n_block);
-  // body(seq, n_block, queries) for this block's key block, and, kVarlen, every gridDim.x-th after it in its sequence.
+  // body(seq, n_block, queries) for this block's key block, and, walks_tiles(V), every gridDim.x-th after it in its
+  // sequence.
   auto walk_key_blocks = [&](auto&& body) __attribute__((always_inline)) {
-    if constexpr (kVarlen) {
+    if constexpr (walks_tiles(V)) {
       for (int n = n_block;; n += int(gridDim.x)) {
         const Sequence seq_n = sequence<V>(p, int(blockIdx.z));
         if (n * Traits::kBlockN >= seq_n.seqlen_k) break;
@@ -583,24 +642,25 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   if (warp < 4) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (warp == 0 && (kVarlen || (cute::elect_one_sync() && !queries.empty()))) {  // (kVarlen: the warp, load_bwd)
-      const bool leader = !kVarlen || cute::elect_one_sync();
+    // (walks_tiles: the warp, load_bwd)
+    if (warp == 0 && (walks_tiles(V) || (cute::elect_one_sync() && !queries.empty()))) {
+      const bool leader = !walks_tiles(V) || cute::elect_one_sync();
       RingState<Traits::kStages> ring;
       uint32_t kv_phase = 0, landed_phase = 0;
       walk_key_blocks([&](Sequence const& seq, int n_block, BlockRange const& queries) __attribute__((always_inline)) {
         if (queries.empty()) return;  // the consumers store zeros and read nothing
-        load_bwd<Traits, kVarlen>(args, smem, seq, head, n_block, queries, ring, kv_phase, landed_phase, leader);
+        load_bwd<Traits, V>(args, smem, seq, head, n_block, queries, ring, kv_phase, landed_phase, leader);
         kv_phase ^= 1;
       });
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
-    BwdConsumerState<Traits::kStages, kVarlen> state;
+    BwdConsumerState<Traits::kStages, walks_tiles(V)> state;
     walk_key_blocks([&](Sequence const& seq, int n_block, BlockRange const& queries) __attribute__((always_inline)) {
       if constexpr (Traits::kSplitsHeadDim) {
-        compute_bwd_split<Traits, kDq>(p, smem, seq, head, n_block, queries, int(threadIdx.x) - 128, state);
+        compute_bwd_split<Traits, kDq, V>(p, smem, seq, head, n_block, queries, int(threadIdx.x) - 128, state);
       } else {
-        compute_bwd<Traits, kDq>(p, smem, seq, head, n_block, queries, int(threadIdx.x) - 128, state);
+        compute_bwd<Traits, kDq, V>(p, smem, seq, head, n_block, queries, int(threadIdx.x) - 128, state);
       }
     });
   }

@@ -32,10 +32,22 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
                        tma(p.k, e.rows_k, p.nheads_k, typename Traits::SmemLayoutK{}, TileK{}, "k"),
                        tma(p.v, e.rows_k, p.nheads_k, typename Traits::SmemLayoutV{}, TileK{}, "v"), p};
   const dim3 grid(ceil_div(p.seqlen_k, kBlockN), p.nheads, p.batch);
-  const bool varlen = p.cu_seqlens_q != nullptr;
+  // The kernel's variant: windows and ALiBi (either kind of batch) in one, with the softcap in another, else the
+  // batch's kind.
+  auto for_kernel_variant = [&](auto launch_for) {
+    if (p.softcap > 0.f) {
+      launch_for(VariantConstant<Variant::kSoftcap>{});
+    } else if (needs_general(p)) {
+      launch_for(VariantConstant<Variant::kGeneral>{});
+    } else {
+      for_batch_kind(p, launch_for);
+    }
+  };
   if (!p.deterministic) {
-    launch(varlen ? &bwd_kernel<Traits, true, true> : &bwd_kernel<Traits, true, false>, grid, Traits::kNThreads,
-           Traits::kSmemBytes, stream, args, "sm90 backward");
+    for_kernel_variant([&](auto variant) {
+      launch(&bwd_kernel<Traits, true, variant()>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, args,
+             "sm90 backward");
+    });
     for_batch_kind(p, [&](auto batch_kind) {
       launch(&convert_dq_kernel<Traits, batch_kind() == Variant::kVarlen>,
              dim3(ceil_div(p.seqlen_q, kBlockM), p.nheads, p.batch), Traits::kConsumerThreads, 0, stream, p,
@@ -45,13 +57,13 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
   }
   // A deterministic pass: dK and dV by the kernel without dQ, then dQ by the sm80 family's dQ kernel, a block per
   // query block summing its keys' contributions in order (no atomics).
-  launch(varlen ? &bwd_kernel<Traits, false, true> : &bwd_kernel<Traits, false, false>, grid, Traits::kNThreads,
-         Traits::kSmemBytes, stream, args, "sm90 backward dK/dV");
   using DqT = sm80::DqTraits<Element, kHeadDim>;
   constexpr int dq_smem = int(sizeof(sm80::DqSharedStorage<DqT>));
   require_smem(dq_smem, "backward dQ", kHeadDim);
-  for_batch_kind(p, [&](auto batch_kind) {
-    launch(&sm80::bwd_dq_kernel<DqT, batch_kind()>, dim3(ceil_div(p.seqlen_q, DqT::kBlockM), p.nheads, p.batch),
+  for_kernel_variant([&](auto variant) {
+    launch(&bwd_kernel<Traits, false, variant()>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, args,
+           "sm90 backward dK/dV");
+    launch(&sm80::bwd_dq_kernel<DqT, variant()>, dim3(ceil_div(p.seqlen_q, DqT::kBlockM), p.nheads, p.batch),
            DqT::kNThreads, dq_smem, stream, p, "sm80 backward dQ");
   });
 }

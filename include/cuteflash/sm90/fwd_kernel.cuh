@@ -62,10 +62,11 @@ struct Turns {
 
 // The producer, for one tile: Q, then K and V of each visible key block, from the last down (nothing for a query
 // block that sees no key). A buffer is refilled once every consumer warpgroup has released it (its empty barrier's
-// phase; the first round waits for nothing); the rings continue from tile to tile. One thread (leader), or, kVarlen,
-// the producer's warp, whose leader lane issues the loads: V's rows past the sequence are zeroed (load_zeroing_tail;
-// K's scores there are masked, and Q's rows past it are not stored).
-template <typename Traits, bool kVarlen>
+// phase; the first round waits for nothing); the rings continue from tile to tile. One thread (leader), or, in a kernel
+// that walks tiles (walks_tiles), the producer's warp, whose leader lane issues the loads: in a variable-length batch
+// V's rows past the sequence are zeroed (load_zeroing_tail; K's scores there are masked, and Q's rows past it are not
+// stored).
+template <typename Traits, Variant V>
 __device__ __forceinline__ void load_tiles(FwdArgs<Traits> const& args, typename Traits::SharedStorage& smem,
                                            Sequence const& seq, int head, int m_block, BlockRange const& keys,
                                            RingState<1>& ring_q, RingState<Traits::kStages>& ring,
@@ -73,7 +74,8 @@ __device__ __forceinline__ void load_tiles(FwdArgs<Traits> const& args, typename
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   FwdParams const& p = args.p;
   const int head_k = head / (p.nheads / p.nheads_k);
-  const GmemExtent extent = GmemExtent::of(p, kVarlen);
+  const bool varlen = reads_varlen<V>(p);
+  const GmemExtent extent = GmemExtent::of(p, varlen);
   Tensor mQ = args.tma_q.get_tma_tensor(make_shape(extent.rows_q, p.head_dim, p.nheads, extent.batch));
   Tensor mK = args.tma_k.get_tma_tensor(make_shape(extent.rows_k, p.head_dim, p.nheads_k, extent.batch));
   Tensor mVt = args.tma_v.get_tma_tensor(make_shape(p.head_dim, extent.rows_k, p.nheads_k, extent.batch));
@@ -117,7 +119,7 @@ __device__ __forceinline__ void load_tiles(FwdArgs<Traits> const& args, typename
     auto issue_v = [&](uint64_t& barrier) { copy(args.tma_v.with(barrier), tVgVt(_, n_block), tVsVt(_, stage)); };
     const int rows = seq.seqlen_k - n_block * kBlockN;
     load_zeroing_tail(
-        &smem.v_full[stage], &smem.landed, landed_phase, Traits::kKVBytes, kVarlen && rows < kBlockN, leader, issue_v,
+        &smem.v_full[stage], &smem.landed, landed_phase, Traits::kKVBytes, varlen && rows < kBlockN, leader, issue_v,
         [&] { zero_rows_from<kBlockN, kHeadDim>(rows, [&](int r, int c) { return &sVt(c, r, stage); }); });
     ring.advance();
   }
@@ -170,9 +172,9 @@ __device__ __forceinline__ void write_o_direct(FwdParams const& p, typename Trai
 }
 
 // The end of a consumer warpgroup's rows: O /= l and lse = m scale + log(l), then O to global memory (kStaged:
-// write_o_staged, but in a variable-length batch's tile that saw no key, whose Q's buffer the producer may be filling
-// with the next tile's; else write_o_direct).
-template <typename Traits, bool kStaged, bool kVarlen, typename Softmax, typename AccO>
+// write_o_staged, but, kSeveral (a block that may take several tiles), in a tile that saw no key, whose Q's buffer the
+// producer may be filling with the next tile's; else write_o_direct).
+template <typename Traits, bool kStaged, bool kSeveral, typename Softmax, typename AccO>
 __device__ __forceinline__ void store_output(FwdParams const& p, Sequence const& seq, int head, int m_block,
                                              bool saw_keys, Softmax& softmax, AccO& acc_o,
                                              typename Traits::SharedStorage& smem, int tid) {
@@ -196,19 +198,21 @@ __device__ __forceinline__ void store_output(FwdParams const& p, Sequence const&
     }
   }
   Element* o = p.o.at<Element>(seq.batch, head, seq.q_row0 + m_block * kBlockM);
-  if (kStaged && (!kVarlen || saw_keys)) {
-    write_o_staged<Traits, kVarlen>(p, o, rows_left, acc_o, smem, tid);
+  if (kStaged && (!kSeveral || saw_keys)) {
+    write_o_staged<Traits, kSeveral>(p, o, rows_left, acc_o, smem, tid);
   } else {
     write_o_direct<Traits>(p, o, rows_left, acc_o, tid);
   }
 }
 
 // A consumer warpgroup's thread (tid: its index among the consumers), for one tile: the key loop over the blocks the
-// producer loads,
-// from the last down, the masked ones first. The product P V of a block runs while the softmax of the next block's
-// scores does: each step waits for the P V before it, converts the block before's P to 16 bits, issues S = Q K^T of its
-// block, rescales O, issues O += P V, and takes the softmax of S once Q K^T is done.
-template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, bool kVarlen>
+// producer loads, from the last down: the masked ones at the diagonal first, the unmasked ones, then (a sliding window,
+// has_options(V)) the masked ones at the window's left edge. The product P V of a block runs while the softmax of the
+// next block's scores does: each step waits for the P V before it, converts the block before's P to 16 bits, issues
+// S = Q K^T of its block, rescales O, issues O += P V, and takes the softmax of S once Q K^T is done. has_options(V):
+// the scores get the softcap (has_softcap(V)) and the call's ALiBi term (in the masked steps, and in the others of a
+// call with slopes) before the mask.
+template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, Variant V>
 __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits::SharedStorage& smem,
                                              Sequence const& seq, int head, int m_block, BlockRange const& keys,
                                              int tid, RingState<1>& ring_q, RingState<Traits::kStages>& ring_k,
@@ -239,9 +243,17 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     Tensor s = make_tensor(acc_s.data(), acc_rowcol_gmma(acc_s.layout()));  // (rows, cols)
     Tensor rP = make_tensor<Element>(acc_s.layout());
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand_gmma(rP.layout()));  // (MMA, MMA_M, MMA_K)
-    auto mask_scores = [&](int n_block, auto masked) __attribute__((always_inline)) {
+    // The softcap and ALiBi (has_options(V)), read once a tile; mask_scores's alibi: whether the step applies the
+    // call's ALiBi slopes (where it has any; false: it has none).
+    const ScoreMods mods = has_options(V) ? ScoreMods::make(p, seq, head) : ScoreMods{};
+    auto mask_scores = [&](int n_block, auto masked, auto alibi) __attribute__((always_inline)) {
+      if constexpr (has_options(V) && (decltype(alibi)::value || has_softcap(V))) {
+        ScoreMods step_mods = mods;
+        if constexpr (!decltype(alibi)::value) step_mods.alibi = 0.f;
+        apply_score_mods<V>(s, cS_rc, m_block * kBlockM, n_block * kBlockN, step_mods, nullptr);
+      }
       if constexpr (decltype(masked)::value) {
-        apply_mask(s, cS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy<Variant::kFixed>(p, seq));
+        apply_mask(s, cS_rc, m_block * kBlockM, n_block * kBlockN, mask_policy<V>(p, seq));
       }
     };
     auto release = [&](uint64_t* empty, RingState<Traits::kStages>& ring) {
@@ -264,8 +276,7 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
           keys.begin + 1,
           first_row >= seq.seqlen_q
               ? keys.begin
-              : std::min(keys.end,
-                         mask_policy<Variant::kFixed>(p, seq).template key_blocks<64, kBlockN>(first_row / 64).end));
+              : std::min(keys.end, mask_policy<V>(p, seq).template key_blocks<64, kBlockN>(first_row / 64).end));
 #pragma unroll 1
       for (; n_block >= own_end; --n_block) {
         turns.wait();  // the turn first: the next warpgroup's products wait for nothing of these
@@ -286,8 +297,10 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
       gmma<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, ring_k.stage), acc_s);
     }
     release(smem.k_empty, ring_k);
-    if (n_block >= keys.unmasked_end) {
-      mask_scores(n_block, cute::true_type{});
+    if (has_options(V) ? keys.masked(n_block) : n_block >= keys.unmasked_end) {
+      mask_scores(n_block, cute::true_type{}, cute::true_type{});
+    } else if constexpr (has_options(V)) {
+      mask_scores(n_block, cute::false_type{}, cute::true_type{});
     }
     // The factors by which O's rows are rescaled before the next P V adds to it (the first block's multiply zeros).
     float alpha[kRows];
@@ -301,7 +314,7 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
       warpgroup_fence_operand(acc_o);
       if (pv_in_flight) release(smem.v_empty, ring_v);
     };
-    auto step = [&](int n_block, auto masked) __attribute__((always_inline)) {
+    auto step = [&](int n_block, auto masked, auto alibi) __attribute__((always_inline)) {
       finish_pv();
       pv_in_flight = true;
       ClusterTransactionBarrier::wait(&smem.k_full[ring_k.stage], ring_k.phase);
@@ -315,14 +328,25 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
       warpgroup_wait<1>();  // S is done
       warpgroup_fence_operand(acc_s);
       release(smem.k_empty, ring_k);
-      mask_scores(n_block, masked);
+      mask_scores(n_block, masked, alibi);
       softmax.update_scores(s, p.softmax_scale_log2, alpha);
     };
-    for (--n_block; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{});
-    for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{});
+    for (--n_block; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{}, cute::true_type{});
+    if constexpr (has_options(V)) {
+      // The unmasked blocks: a copy of the step without ALiBi's work for a call without slopes (nvcc would issue it
+      // predicated off in every step); then the window's left edge.
+      if (p.alibi_slopes != nullptr) {
+        for (; n_block >= keys.unmasked_begin; --n_block) step(n_block, cute::false_type{}, cute::true_type{});
+      } else {
+        for (; n_block >= keys.unmasked_begin; --n_block) step(n_block, cute::false_type{}, cute::false_type{});
+      }
+      for (; n_block >= keys.begin; --n_block) step(n_block, cute::true_type{}, cute::true_type{});
+    } else {
+      for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{}, cute::false_type{});
+    }
     // Every Q K^T is done: a persistent block's producer loads the next tile's Q under the last P V and the stores
-    // (a variable-length batch's block, which stores O through Q's buffer, releases it after: write_o_staged).
-    if (!kVarlen && is_signaling) ClusterBarrier::arrive(&smem.q_empty);
+    // (a block that walks tiles, which stores O through Q's buffer, releases it after: write_o_staged).
+    if (!walks_tiles(V) && is_signaling) ClusterBarrier::arrive(&smem.q_empty);
     ring_q.advance();
     finish_pv();
     convert_fragment_into(acc_s, rP);
@@ -332,12 +356,14 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     release(smem.v_empty, ring_v);
     turns.end();
   }
-  store_output<Traits, !kPersistent, kVarlen>(p, seq, head, m_block, !keys.empty(), softmax, acc_o, smem, tid);
+  store_output<Traits, !kPersistent, walks_tiles(V)>(p, seq, head, m_block, !keys.empty(), softmax, acc_o, smem, tid);
 }
 
-// Fixed-length batches (kVarlen: variable-length ones) without options (the registry sends the other calls to the
-// sm80 family); the tiles of TileScheduler (persistent for fixed lengths only); kSkipAboveDiagonal: compute_tile.
-template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, bool kVarlen>
+// A kernel of variant V: kFixed, fixed-length batches with at most a causal mask; kVarlen, variable-length ones;
+// kGeneral, either kind with sliding windows and ALiBi; kSoftcap, with the softcap too (the registry sends the calls
+// with dropout to the sm80 family). The tiles of TileScheduler (persistent for kFixed only); kSkipAboveDiagonal:
+// compute_tile.
+template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, Variant V>
 static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_kernel(CUTLASS_GRID_CONSTANT FwdArgs<Traits> const args) {
   extern __shared__ __align__(1024) char smem_raw[];
@@ -350,7 +376,7 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     ClusterTransactionBarrier::init(&smem.q_full, 1);
     ClusterBarrier::init(&smem.q_empty, Traits::kConsumerWarpgroups);
-    if constexpr (kVarlen) ClusterTransactionBarrier::init(&smem.landed, 1);
+    if constexpr (walks_tiles(V)) ClusterTransactionBarrier::init(&smem.landed, 1);
     for (int s = 0; s < Traits::kStages; ++s) {
       ClusterTransactionBarrier::init(&smem.k_full[s], 1);
       ClusterTransactionBarrier::init(&smem.v_full[s], 1);
@@ -362,35 +388,35 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
   __syncthreads();  // the last barrier of the whole block: the producer's other warps leave below
 
   const int m_blocks = ceil_div(p.seqlen_q, Traits::kBlockM);
-  const TileScheduler<kPersistent, kVarlen> scheduler{m_blocks, p.nheads,
-                                                      kPersistent ? m_blocks * p.nheads * p.batch : 1};
+  const TileScheduler<kPersistent, walks_tiles(V)> scheduler{m_blocks, p.nheads,
+                                                             kPersistent ? m_blocks * p.nheads * p.batch : 1};
   auto walk_tiles = [&](auto&& body) __attribute__((always_inline)) {
     for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t)) {
       const FwdTile tile = scheduler.tile(t);
-      const Sequence seq = sequence<kVarlen ? Variant::kVarlen : Variant::kFixed>(p, tile.batch);
-      if (kVarlen && tile.m_block * Traits::kBlockM >= seq.seqlen_q) break;  // past its sequence's end
+      const Sequence seq = sequence<V>(p, tile.batch);
+      if (walks_tiles(V) && tile.m_block * Traits::kBlockM >= seq.seqlen_q) break;  // past its sequence's end
       const BlockRange keys =
-          mask_policy<Variant::kFixed>(p, seq).template key_blocks<Traits::kBlockM, Traits::kBlockN>(tile.m_block);
+          mask_policy<V>(p, seq).template key_blocks<Traits::kBlockM, Traits::kBlockN>(tile.m_block);
       body(tile, seq, keys);
     }
   };
   RingState<1> ring_q;
   if (warp < 4) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (warp == 0 && (kVarlen || cute::elect_one_sync())) {  // (kVarlen: the warp, load_tiles)
-      const bool leader = !kVarlen || cute::elect_one_sync();
+    if (warp == 0 && (walks_tiles(V) || cute::elect_one_sync())) {  // (walks_tiles: the warp, load_tiles)
+      const bool leader = !walks_tiles(V) || cute::elect_one_sync();
       RingState<Traits::kStages> ring;
       uint32_t landed_phase = 0;
       walk_tiles([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) {
-        load_tiles<Traits, kVarlen>(args, smem, seq, tile.head, tile.m_block, keys, ring_q, ring, landed_phase, leader);
+        load_tiles<Traits, V>(args, smem, seq, tile.head, tile.m_block, keys, ring_q, ring, landed_phase, leader);
       });
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     RingState<Traits::kStages> ring_k, ring_v;
     walk_tiles([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) {
-      compute_tile<Traits, kPersistent, kSkipAboveDiagonal, kVarlen>(p, smem, seq, tile.head, tile.m_block, keys,
-                                                                     int(threadIdx.x) - 128, ring_q, ring_k, ring_v);
+      compute_tile<Traits, kPersistent, kSkipAboveDiagonal, V>(p, smem, seq, tile.head, tile.m_block, keys,
+                                                               int(threadIdx.x) - 128, ring_q, ring_k, ring_v);
     });
   }
 }

@@ -12,14 +12,14 @@
 namespace cuteflash::sm90 {
 
 // kPersistent: a block per multiprocessor, each through its share of the tiles (TileScheduler); else a block per query
-// block of each (sequence, head). kVarlen: a variable-length batch (not persistent).
-template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, bool kVarlen>
+// block of each (sequence, head). V: the kernel's variant (fwd_kernel; kFixed only is persistent).
+template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, Variant V>
 void launch_fwd(FwdParams const& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   require_smem(Traits::kSmemBytes, "sm90 forward", kHeadDim);
   const int d = p.head_dim;
-  const GmemExtent e = GmemExtent::of(p, kVarlen);
+  const GmemExtent e = GmemExtent::of(p, p.cu_seqlens_q != nullptr);
   FwdArgs<Traits> args{
       make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.q, e.rows_q, d, p.nheads, e.batch, "q"),
                     typename Traits::SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}),
@@ -33,8 +33,8 @@ void launch_fwd(FwdParams const& p, cudaStream_t stream) {
     const int64_t tiles = int64_t(grid.x) * grid.y * grid.z;
     grid = dim3(unsigned(std::max<int64_t>(1, std::min<int64_t>(tiles, device_limits().sms))));
   }
-  launch(&fwd_kernel<Traits, kPersistent, kSkipAboveDiagonal, kVarlen>, grid, Traits::kNThreads, Traits::kSmemBytes,
-         stream, args, "sm90 forward");
+  launch(&fwd_kernel<Traits, kPersistent, kSkipAboveDiagonal, V>, grid, Traits::kNThreads, Traits::kSmemBytes, stream,
+         args, "sm90 forward");
 }
 
 template <typename Element, int kHeadDim>
@@ -48,14 +48,28 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
   // Causal tiles of three warpgroups (192 rows) let a warpgroup skip the key blocks above its own rows' diagonal; two
   // warpgroups (128 rows) would skip little (none but past the sequence's end at head dim 128, at most a block a tile
   // at 256), and the registers it takes spill at head dim 256.
+  // Windows and ALiBi (either kind of batch): one kernel, on the causal tile (at head dim 128 its 128 keys a step
+  // rather than 176: fewer keys masked for nothing at a window's edges, and fewer registers beside ALiBi's; on an H200
+  // a window of 1024 at 16k ran in 0.67x the time, ALiBi 0.84-0.85x, causal or not), whose blocks visit the keys the
+  // window spans and mask those at its edges.
+  // The softcap's tanh in a kernel of its own (kSoftcap), so that the others carry no trace of it.
+  if (needs_general(p)) {
+    using Traits = typename FwdTraitsSelect<Element, kHeadDim, true>::type;
+    if (p.softcap > 0.f) {
+      launch_fwd<Traits, false, false, Variant::kSoftcap>(p, stream);
+    } else {
+      launch_fwd<Traits, false, false, Variant::kGeneral>(p, stream);
+    }
+    return;
+  }
   for_batch_kind(p, [&](auto batch_kind) {
-    constexpr bool kVarlen = batch_kind() == Variant::kVarlen;
+    constexpr Variant V = batch_kind();
     if (p.causal) {
       using Traits = typename FwdTraitsSelect<Element, kHeadDim, true>::type;
-      launch_fwd<Traits, false, (Traits::kConsumerWarpgroups == 3), kVarlen>(p, stream);
+      launch_fwd<Traits, false, (Traits::kConsumerWarpgroups == 3), V>(p, stream);
     } else {
-      launch_fwd<typename FwdTraitsSelect<Element, kHeadDim, false>::type, (kHeadDim <= 64 && !kVarlen), false,
-                 kVarlen>(p, stream);
+      launch_fwd<typename FwdTraitsSelect<Element, kHeadDim, false>::type, (kHeadDim <= 64 && V == Variant::kFixed),
+                 false, V>(p, stream);
     }
   });
 }

@@ -10,6 +10,7 @@
 #include <cute/tensor.hpp>
 
 #include "cuteflash/common/params.h"
+#include "cuteflash/common/sequence.cuh"
 #include "cuteflash/common/utils.cuh"
 #include "cuteflash/sm90/tiles.h"
 
@@ -51,13 +52,24 @@ struct GmemExtent {
   bool varlen;
   int rows_q, rows_k, batch;
 
-  // varlen: p.cu_seqlens_q != nullptr (known at compile time in a kernel).
+  // varlen: p.cu_seqlens_q != nullptr (reads_varlen, in a kernel).
   CUTE_HOST_DEVICE static GmemExtent of(FwdParams const& p, bool varlen) {
     return {varlen, varlen ? p.total_q : p.seqlen_q, varlen ? p.total_k : p.seqlen_k, varlen ? 1 : p.batch};
   }
   // The batch index of the descriptors' tensors that holds batch b's (or, for k and v, kv batch b's) rows.
   CUTE_HOST_DEVICE int batch_index(int b) const { return varlen ? 0 : b; }
 };
+
+// Whether a kernel of variant V reads a variable-length batch: kVarlen always, kFixed never, a kernel with options
+// (either kind of batch) where the params have cu_seqlens.
+template <Variant V>
+CUTE_HOST_DEVICE bool reads_varlen(FwdParams const& p) {
+  return V == Variant::kVarlen || (has_options(V) && p.cu_seqlens_q != nullptr);
+}
+
+// Whether a block of a kernel of variant V may take several tiles (or key blocks), walking them within its sequence
+// (TileScheduler): every variant but kFixed, whose grid has a block per tile.
+constexpr bool walks_tiles(Variant v) { return v != Variant::kFixed; }
 
 // One forward kernel's shapes: kBlockM query rows (64 per consumer warpgroup), kBlockN keys per step, kStages
 // buffers of K and of V.
