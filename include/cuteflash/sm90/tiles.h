@@ -36,6 +36,13 @@ constexpr Sm90FwdTile sm90_fwd_tile(int head_dim, bool causal) {
                            : Sm90FwdTile{128, 80, 2};
 }
 
+// The forward tile of the kernels with options (windows, softcap, ALiBi): the causal one, but of two consumer
+// warpgroups up to head dim 64, where three leave ptxas too few registers beside the options' values to keep the
+// products asynchronous (it serialises the wgmma).
+constexpr Sm90FwdTile sm90_fwd_options_tile(int head_dim) {
+  return head_dim <= 64 ? Sm90FwdTile{128, 128, 2} : sm90_fwd_tile(head_dim, true);
+}
+
 // sm90 backward: a thread block owns block_n keys and walks the query blocks of block_m rows that see them, Q and dO
 // in `stages` buffers each; two consumer warpgroups hold the keys' dK and dV in registers: 64 keys each up to head dim
 // 128 (head_dim / 2 fp32 of each a thread); above, 64 keys together, each warpgroup half of the head dim (head_dim / 4
@@ -69,6 +76,7 @@ constexpr bool sm90_tiles_fit(int smem_bytes) {
       // 1 KB for the barriers and the alignment of the swizzled tiles.
       if (sm90_fwd_tile(head_dim, causal).smem_bytes(head_dim, 2) + 1024 > smem_bytes) return false;
     }
+    if (sm90_fwd_options_tile(head_dim).smem_bytes(head_dim, 2) + 1024 > smem_bytes) return false;
     if (sm90_bwd_tile(head_dim).smem_bytes(head_dim, 2) + 1024 > smem_bytes) return false;
   }
   return true;

@@ -271,6 +271,13 @@ struct FwdTraitsSelect {
   using type = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
 };
 
+// The traits of head dim kHeadDim's kernels with options (tiles.h).
+template <typename Element, int kHeadDim>
+struct FwdOptionsTraitsSelect {
+  static constexpr Sm90FwdTile kTile = sm90_fwd_options_tile(kHeadDim);
+  using type = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
+};
+
 // The backward traits of head dim kHeadDim (tiles.h).
 template <typename Element, int kHeadDim>
 struct BwdTraitsSelect {
