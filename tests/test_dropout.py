@@ -1,6 +1,7 @@
 """Dropout: the mask's statistics, the forward and backward passes against the reference with the mask read
 back through return_attn_probs (2x rule), alone and with the other options (softcap included), fixed-length and
-variable-length, repeatability under torch.manual_seed, torch.compile and CUDA graphs."""
+variable-length, the same mask in every kernel family, repeatability under torch.manual_seed, torch.compile and CUDA
+graphs."""
 
 import pytest
 import torch
@@ -24,9 +25,9 @@ def _reference(q, k, v, dout, compute_dtype, kept, dropout_p, **options):
     return out, lse, [t.grad for t in leaves]
 
 
-def _check(q, k, v, dropout_p, assert_close_2x, deterministic=False, **options):
-    """flash_attn_func with dropout, forward and backward, against the references with its own mask. Returns the
-    mask."""
+def _check(q, k, v, dropout_p, assert_close_2x, deterministic=False, mask=None, **options):
+    """flash_attn_func with dropout, forward and backward, against the references with its own mask (or `mask`,
+    which its own must equal). Returns the mask."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, lse, s_dmask = flash_attn_func(
         *leaves, dropout_p=dropout_p, return_attn_probs=True, deterministic=deterministic, **options
@@ -36,6 +37,9 @@ def _check(q, k, v, dropout_p, assert_close_2x, deterministic=False, **options):
     rounded = (-seqlen_q % 128 + seqlen_q, -seqlen_k % 128 + seqlen_k)
     assert s_dmask.shape == (batch, nheads, *rounded) and s_dmask.dtype == q.dtype
     kept = _kept(s_dmask)
+    if mask is not None:
+        assert torch.equal(kept, mask)
+        kept = mask
     dout = torch.randn_like(q)
     out.backward(dout)
     out_ref, lse_ref, grads_ref = _reference(q, k, v, dout, torch.float64, kept, dropout_p, **options)
@@ -134,6 +138,36 @@ def test_dropout_with_everything(
     slopes = torch.rand(2, 6, device="cuda") * 0.3
     options = dict(causal=True, window_size=(70, -1), alibi_slopes=slopes, softcap=softcap)
     _check(q, k, v, 0.25, assert_close_2x, deterministic=deterministic, **options)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_a_call_moves_between_families(head_dim, softcap, make_qkv, assert_close_2x, monkeypatch, require_head_dim):
+    """The mask is a function of the seed and of an element's place, the same in every family's kernels: under one
+    seed, each family this GPU runs (CUTEFLASH_BACKEND) computes the forward and backward passes with the mask the
+    first family's S_dmask shows (the 2x rule against the reference with that mask; a mask that differed in a few
+    elements would break it)."""
+    from cuteflash._lib import build_info, select_family
+
+    families = []
+    for family in build_info()["families"]:
+        monkeypatch.setenv("CUTEFLASH_BACKEND", family)
+        try:
+            select_family(torch.cuda.current_device())
+        except RuntimeError:  # not compiled for this GPU, or too new for it
+            continue
+        families.append(family)
+    if len(families) < 2:
+        pytest.skip(f"one kernel family runs on this GPU ({', '.join(families)})")
+    require_head_dim(head_dim)
+    q, k, v = make_qkv(2, 190, 230, 6, 2, head_dim, torch.float16, scale=1.5)
+    slopes = torch.rand(2, 6, device="cuda") * 0.3
+    options = dict(causal=True, window_size=(90, -1), alibi_slopes=slopes, softcap=softcap)
+    mask = None
+    for family in families:
+        monkeypatch.setenv("CUTEFLASH_BACKEND", family)
+        torch.manual_seed(11)
+        mask = _check(q, k, v, 0.3, assert_close_2x, mask=mask, **options)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -145,7 +145,7 @@ FAMILIES: tuple[Family, ...] = (
         defines=("NDEBUG", "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"),
         delegate="sm80",  # (whose lse and out are laid out alike: its backward takes this family's forward)
         # (A deterministic pass: its dK/dV kernel, then the sm80 family's dQ kernel.)
-        features=("varlen", "window", "softcap", "alibi", "deterministic"),
+        features=("varlen", "window", "softcap", "alibi", "dropout", "deterministic"),
         decode_from="sm80",
     ),
 )

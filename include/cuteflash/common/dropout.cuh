@@ -161,13 +161,49 @@ __device__ __forceinline__ void for_each_kept(Dropout const& dropout, CoordTenso
   }
 }
 
-// P with the elements that dropout drops zeroed, P an m16n8 accumulator fragment (MMA, MMA_M, MMA_N) converted
-// to a 16-bit type: each atom's two registers hold its rows 0 and 8's two columns, tiles n and n + 1 (n even)
-// the halves of a unit's words. coord: the fp32 fragment's (rows, cols) coordinates, as for for_each_kept.
-template <typename PTensor, typename CoordTensor>
-__device__ __forceinline__ void apply_dropout_packed(PTensor& p, Dropout const& dropout, CoordTensor const& coord,
-                                                     int row0, int col0) {
-  Tensor words = recast<uint32_t>(p);  // (2, MMA_M, MMA_N)
+// for_each_kept on transposed scores, keys in rows: coord gives (key, row) of a thread's (keys, rows) view of m16n8
+// (or wgmma) accumulator tiles of S^T whose first key and row are key0 and row0. Its keys 2 a and 2 a + 1 are k and
+// k + 8 (k % 16 < 8), its rows 4 b .. 4 b + 3 are r, r + 1, r + 8 and r + 9 (r % 16 < 8, r even): half of each of two
+// units, rows (r, r + 8) and (r + 1, r + 9) by columns j, j + 1, j + 8, j + 9 (j = k rounded down to even), whose other
+// halves lane ^ 4 holds (key k ^ 1, the same rows). Each of the two draws one of the units and they trade the halves
+// the other needs, packed in a word: a draw and a shuffle per eight elements, as in the forward. Every lane of the warp
+// must take part.
+template <typename CoordTensor, typename F>
+__device__ __forceinline__ void for_each_kept_transposed(Dropout const& dropout, CoordTensor const& coord, int key0,
+                                                         int row0, F const& f) {
+  constexpr int kKeys = decltype(size<0>(coord))::value, kRows = decltype(size<1>(coord))::value;
+  static_assert(kKeys % 2 == 0 && kRows % 4 == 0);
+  CUTE_UNROLL
+  for (int a = 0; a < kKeys / 2; ++a) {
+    const int key = key0 + get<0>(coord(2 * a, 0));
+    const bool odd = key & 1;
+    CUTE_UNROLL
+    for (int b = 0; b < kRows / 4; ++b) {
+      const int row = row0 + get<1>(coord(0, 4 * b));
+      // This lane's unit: rows (row, row + 8) where its key is even, else (row + 1, row + 9).
+      const uint2 draw = dropout.draw(dropout.row_counter(row + int(odd)), key - int(odd));
+      // A word's bytes: (its upper row, key k), (upper row, k + 8), (lower row, k), (lower row, k + 8), of the even
+      // keys' columns (j, j + 8: the draw's bytes 0 and 2) or the odd keys' (j + 1, j + 9: bytes 1 and 3).
+      const uint32_t even_keys = __byte_perm(draw.x, draw.y, 0x6420), odd_keys = __byte_perm(draw.x, draw.y, 0x7531);
+      const uint32_t own = odd ? odd_keys : even_keys;
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? even_keys : odd_keys, 4);
+      const uint32_t word[2] = {odd ? got : own, odd ? own : got};  // rows (row, row + 8), (row + 1, row + 9)
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) {
+        const int r = e % 2, c = e / 2;  // key 2 a + r, row 4 b + c
+        f(2 * a + r, 4 * b + c, dropout_keeps(word[c % 2], c / 2 * 2 + r, dropout.threshold));
+      }
+    }
+  }
+}
+
+// P with the elements that dropout drops zeroed, P's 16-bit values as words of column pairs: words (2, M, N), word
+// (h, m, n) holding the two columns of m16n8 tile (m, n)'s row 8 h (as an accumulator fragment converted to a 16-bit
+// type holds them), tiles n and n + 1 (n even) the halves of a unit's words. coord: the fp32 fragment's (rows, cols)
+// coordinates, as for for_each_kept.
+template <typename Words, typename CoordTensor>
+__device__ __forceinline__ void apply_dropout_words(Words&& words, Dropout const& dropout, CoordTensor const& coord,
+                                                    int row0, int col0) {
   static_assert(decltype(size<0>(words))::value == 2 && decltype(size<2>(words))::value % 2 == 0);
   const uint32_t threshold2 = dropout_threshold2(dropout.threshold);
   CUTE_UNROLL
@@ -182,6 +218,14 @@ __device__ __forceinline__ void apply_dropout_packed(PTensor& p, Dropout const& 
       words(1, m, n + 1) &= dropout_keep_halves<true>(draw.y, threshold2);
     }
   }
+}
+
+// apply_dropout_words on an m16n8 accumulator fragment (MMA, MMA_M, MMA_N) converted to a 16-bit type, whose atoms'
+// two registers hold their rows 0 and 8's two columns.
+template <typename PTensor, typename CoordTensor>
+__device__ __forceinline__ void apply_dropout_packed(PTensor& p, Dropout const& dropout, CoordTensor const& coord,
+                                                     int row0, int col0) {
+  apply_dropout_words(recast<uint32_t>(p), dropout, coord, row0, col0);  // (2, MMA_M, MMA_N)
 }
 
 // x(mi, ni) = kept ? x(mi, ni) * scale : 0 on a (rows, cols) view x with coordinates coord (for_each_kept).
@@ -199,14 +243,19 @@ struct KeepMask {
   static constexpr int kWords = (kRows * kCols + 31) / 32;
   uint32_t bits[kWords];
 
-  template <typename CoordTensor>
-  __device__ __forceinline__ KeepMask(Dropout const& dropout, CoordTensor const& coord, int row0, int col0) {
+  __device__ __forceinline__ KeepMask() {
     CUTE_UNROLL
     for (int w = 0; w < kWords; ++w) bits[w] = 0;
-    for_each_kept(dropout, coord, row0, col0, [&](int mi, int ni, bool kept) {
-      const int i = mi * kCols + ni;
-      bits[i / 32] |= uint32_t(kept) << (i % 32);
-    });
+  }
+  template <typename CoordTensor>
+  __device__ __forceinline__ KeepMask(Dropout const& dropout, CoordTensor const& coord, int row0, int col0)
+      : KeepMask() {
+    for_each_kept(dropout, coord, row0, col0, [&](int mi, int ni, bool kept) { set(mi, ni, kept); });
+  }
+
+  __device__ __forceinline__ void set(int mi, int ni, bool kept) {
+    const int i = mi * kCols + ni;
+    bits[i / 32] |= uint32_t(kept) << (i % 32);
   }
 
   __device__ __forceinline__ bool operator()(int mi, int ni) const {
@@ -218,6 +267,15 @@ struct KeepMask {
 template <typename CoordTensor>
 __device__ __forceinline__ auto keep_mask(Dropout const& dropout, CoordTensor const& coord, int row0, int col0) {
   return KeepMask<decltype(size<0>(coord))::value, decltype(size<1>(coord))::value>(dropout, coord, row0, col0);
+}
+
+// keep_mask of transposed scores (for_each_kept_transposed: coord's (key, row), the first key and row key0 and row0).
+template <typename CoordTensor>
+__device__ __forceinline__ auto keep_mask_transposed(Dropout const& dropout, CoordTensor const& coord, int key0,
+                                                     int row0) {
+  KeepMask<decltype(size<0>(coord))::value, decltype(size<1>(coord))::value> keep;
+  for_each_kept_transposed(dropout, coord, key0, row0, [&](int mi, int ni, bool kept) { keep.set(mi, ni, kept); });
+  return keep;
 }
 
 // keep_mask's bits in a kernel with dropout (kDropout), nullptr in one without (whose code tests has_dropout first).

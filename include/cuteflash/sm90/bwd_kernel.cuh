@@ -20,11 +20,15 @@
 // sm80 family's dQ kernel.
 #pragma once
 
+#include <cstddef>
+#include <type_traits>
+
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/device_kernel.h>  // CUTLASS_GRID_CONSTANT
 
 #include "cuteflash/common/bwd_preprocess.cuh"
+#include "cuteflash/common/dropout.cuh"
 #include "cuteflash/common/mask.cuh"
 #include "cuteflash/common/params.h"
 #include "cuteflash/common/utils.cuh"
@@ -214,15 +218,15 @@ __device__ __forceinline__ void for_alibi_transposed(ScoreMods const& mods, int 
 
 // The softcap's factor in dS^T (dP^T - D scaled, keys by rows) in place: p.softcap (1 - tanh^2), the softcap's value
 // recovered from P^T (probs; lse_log2[ni]: row ni's) rather than kept from the forward's scores in registers:
-// P = exp2((tanh + ALiBi's term) scale log2(e) - lse log2(e)). A P of 0 (masked, or too small for fp32) gives a factor
-// of 0 (1 - tanh^2 is never below).
+// P = exp2((tanh + ALiBi's term) scale log2(e) - lse log2(e)), of P's magnitude (dropout negates the dropped ones:
+// probs_and_grads). A P of 0 (masked, or too small for fp32) gives a factor of 0 (1 - tanh^2 is never below).
 template <typename Traits, typename Grads, typename Probs, typename Coords>
 __device__ __forceinline__ void apply_softcap_grad_transposed(BwdParams const& p, ScoreMods const& mods, int m_block,
                                                               int n_block, Grads& ds, Probs const& probs,
                                                               float const* lse_log2, Coords const& cS_rc) {
   const float inv_scale = 1.f / p.softmax_scale_log2;
   auto scale_by = [&](int mi, int ni, float bias) __attribute__((always_inline)) {
-    const float t = fmaf(__log2f(probs(mi, ni)) + lse_log2[ni], inv_scale, -bias);
+    const float t = fmaf(__log2f(fabsf(probs(mi, ni))) + lse_log2[ni], inv_scale, -bias);
     ds(mi, ni) *= p.softcap * fmaxf(1.f - t * t, 0.f);
   };
   if (mods.alibi != 0.f) {
@@ -247,13 +251,60 @@ __device__ __forceinline__ void exp_scores(BwdParams const& p, Scores& s, float 
   }
 }
 
-// dS^T = scale P^T (dP^T - D) in place of dP^T (keys, rows); d_of(ni): D of row ni.
-template <typename Grads, typename Probs, typename DOf>
+// dS^T = scale P^T (dP^T - D) in place of dP^T (keys, rows); d_of(ni): D of row ni. kDropout: P^T's dropped
+// probabilities are negated (mark_dropped), and dP^T is the gradient of the kept ones, scaled by 1 / (1 - p): dS^T =
+// scale (max(P^T, 0) dP^T / (1 - p) - |P^T| D).
+template <bool kDropout, typename Grads, typename Probs, typename DOf>
 __device__ __forceinline__ void grad_scores(BwdParams const& p, Grads& dp, Probs const& s, DOf const& d_of) {
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(dp); ++mi) {
     CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(dp); ++ni) dp(mi, ni) = s(mi, ni) * p.softmax_scale * (dp(mi, ni) - d_of(ni));
+    for (int ni = 0; ni < size<1>(dp); ++ni) {
+      if constexpr (kDropout) {
+        const float kept = fmaxf(s(mi, ni), 0.f) * (p.softmax_scale * p.dropout_scale);
+        dp(mi, ni) = fmaf(kept, dp(mi, ni), -fabsf(s(mi, ni)) * (p.softmax_scale * d_of(ni)));
+      } else {
+        dp(mi, ni) = s(mi, ni) * p.softmax_scale * (dp(mi, ni) - d_of(ni));
+      }
+    }
+  }
+}
+
+// Where a kernel of variant V draws dropout's mask (has_dropout(V)), kRows: the query rows a thread holds. With 16
+// (64-row blocks), while S^T runs, its bits kept in registers (keep_transposed); with 32 (128-row blocks, whose
+// registers are full: the bits spilled), after the exponentials, in place (mark_dropped without bits).
+template <Variant V, int kRows>
+constexpr bool draws_early() {
+  return has_dropout(V) && kRows <= 16;
+}
+
+// draws_early: which of this thread's probabilities (keys, rows) of query block m_block and key block n_block dropout
+// keeps, cS_rc their (key, row) in the tile (a bit each); else nullptr.
+template <typename Traits, Variant V, typename Coords>
+__device__ __forceinline__ auto keep_transposed(Dropout const& dropout, int m_block, int n_block, Coords const& cS_rc) {
+  if constexpr (draws_early<V, decltype(size<1>(cS_rc))::value>()) {
+    return keep_mask_transposed(dropout, cS_rc, n_block * Traits::kBlockN, m_block * Traits::kBlockM);
+  } else {
+    return nullptr;
+  }
+}
+
+// P^T's probabilities that dropout drops negated, in place of this thread's P^T (keys, rows) of query block m_block and
+// key block n_block (keep: keep_transposed's bits, or nullptr: drawn here): the sign carries the mask to dS^T
+// (grad_scores) and to the P^T of dV's product (max(P^T, 0), the kept probabilities unscaled; dV is scaled by
+// 1 / (1 - p) at the end).
+template <typename Traits, typename Probs, typename Keep, typename Coords>
+__device__ __forceinline__ void mark_dropped(Dropout const& dropout, int m_block, int n_block, Probs& s,
+                                             Keep const& keep, Coords const& cS_rc) {
+  auto mark = [&](int mi, int ni, bool kept) { s(mi, ni) = kept ? s(mi, ni) : -s(mi, ni); };
+  if constexpr (std::is_same_v<Keep, std::nullptr_t>) {
+    for_each_kept_transposed(dropout, cS_rc, n_block * Traits::kBlockN, m_block * Traits::kBlockM, mark);
+  } else {
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(s); ++mi) {
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(s); ++ni) mark(mi, ni, keep(mi, ni));
+    }
   }
 }
 
@@ -272,14 +323,19 @@ __device__ __forceinline__ void add_dq_atomic(BwdParams const& p, Sequence const
 }
 
 // dK and dV of this consumer thread's warpgroup's part of key block n_block (its keys, or its half of the head dim
-// where that is split; a key block no query sees gets zeros).
-template <typename Traits, typename Acc>
+// where that is split; a key block no query sees gets zeros). has_dropout(V): dV's products took the kept
+// probabilities without 1 / (1 - p), scaled here.
+template <typename Traits, Variant V, typename Acc>
 __device__ __forceinline__ void store_dkdv(BwdParams const& p, Sequence const& seq, int head, int n_block,
-                                           Acc const& acc_dk, Acc const& acc_dv, int tid) {
+                                           Acc const& acc_dk, Acc& acc_dv, int tid) {
   using Element = typename Traits::Element;
   using Mma = typename Traits::TiledMmadKV;
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   const int keys_left = seq.seqlen_k - n_block * kBlockN;
+  if constexpr (has_dropout(V)) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dv); ++i) acc_dv(i) *= p.dropout_scale;
+  }
   Element* dk = p.dk.at<Element>(seq.batch, head, seq.k_row0 + n_block * kBlockN);
   Element* dv = p.dv.at<Element>(seq.batch, head, seq.k_row0 + n_block * kBlockN);
   store_acc_direct<Mma, kBlockN, kHeadDim>(acc_dk, dk, p.dk.row_stride, keys_left, p.head_dim, tid);
@@ -289,15 +345,16 @@ __device__ __forceinline__ void store_dkdv(BwdParams const& p, Sequence const& s
 // A step's scores, once its S^T (acc_s) is issued: lse and D of this thread's query rows (stage's; D read where it is
 // used when a thread holds 32 rows, for the registers), this thread's share of the next block's statistics (returned,
 // kHasNext) and its stage (next_stage), dP^T issued once S^T is done and run under the exponentials; has_options(V):
-// the softcap (has_softcap(V)) and ALiBi's term (mods, where it has a slope) before the mask. On return acc_s holds P^T
-// and acc_dp dS^T.
+// the softcap (has_softcap(V)) and ALiBi's term (mods, where it has a slope) before the mask; has_dropout(V): the
+// dropped probabilities marked (mark_dropped). On return acc_s holds P^T (the kept probabilities, unscaled, with
+// dropout) and acc_dp dS^T.
 template <typename Traits, Variant V, bool kMasked, bool kHasNext, typename TiledMma, typename TV, typename TdO,
           typename Acc, typename Coords>
 __device__ __forceinline__ float probs_and_grads(BwdParams const& p, typename Traits::SharedStorage& smem,
-                                                 Sequence const& seq, ScoreMods const& mods, int64_t row_stats,
-                                                 int stage, int m_block, int n_block, int tid, TiledMma& mma_sdp,
-                                                 TV const& tdPrV, TdO const& tdPrdO, Acc& acc_s, Acc& acc_dp,
-                                                 Coords const& cS_rc, int& next_stage) {
+                                                 Sequence const& seq, ScoreMods const& mods, Dropout const& dropout,
+                                                 int64_t row_stats, int stage, int m_block, int n_block, int tid,
+                                                 TiledMma& mma_sdp, TV const& tdPrV, TdO const& tdPrdO, Acc& acc_s,
+                                                 Acc& acc_dp, Coords const& cS_rc, int& next_stage) {
   constexpr int kCols = decltype(size<1>(cS_rc))::value;  // query rows a thread holds
   constexpr bool kEarlyD = kCols <= 16;
   float lse_log2[kCols], d[kEarlyD ? kCols : 1];
@@ -309,13 +366,15 @@ __device__ __forceinline__ float probs_and_grads(BwdParams const& p, typename Tr
   next_stage = stage + 1 == Traits::kStages ? 0 : stage + 1;
   float next_stat = 0.f;
   if constexpr (kHasNext) next_stat = fetch_stat<Traits>(p, seq, row_stats, m_block + 1, tid);
+  const auto keep = keep_transposed<Traits, V>(dropout, m_block, n_block, cS_rc);  // (draws_early: while S^T runs)
   warpgroup_wait<0>();  // S^T (issued before this step) is done; dP^T runs under the exponentials
   gmma<true, -1>(mma_sdp, tdPrV, tdPrdO, acc_dp);
   warpgroup_fence_operand(acc_s);
   Tensor s = make_tensor(acc_s.data(), acc_rowcol_gmma(acc_s.layout()));  // (keys, rows)
   if constexpr (has_softcap(V)) {
+    const Softcap cap{mods.softcap};
     CUTE_UNROLL
-    for (int i = 0; i < size(s); ++i) s(i) = tanh_fast(s(i) * mods.softcap);
+    for (int i = 0; i < size(s); ++i) s(i) = cap(s(i));
   }
   if constexpr (has_options(V)) {
     if (mods.alibi != 0.f) {
@@ -325,12 +384,17 @@ __device__ __forceinline__ float probs_and_grads(BwdParams const& p, typename Tr
   }
   if constexpr (kMasked) mask_transposed<Traits, V>(p, seq, m_block, n_block, s, cS_rc);
   exp_scores(p, s, lse_log2);
+  if constexpr (has_dropout(V)) mark_dropped<Traits>(dropout, m_block, n_block, s, keep, cS_rc);
   warpgroup_wait<0>();  // dP^T is done
   warpgroup_fence_operand(acc_dp);
   Tensor dp = make_tensor(acc_dp.data(), acc_rowcol_gmma(acc_dp.layout()));
-  grad_scores(p, dp, s, [&](int ni) { return kEarlyD ? d[ni] : smem.d[stage][get<1>(cS_rc(0, ni))]; });
+  grad_scores<has_dropout(V)>(p, dp, s, [&](int ni) { return kEarlyD ? d[ni] : smem.d[stage][get<1>(cS_rc(0, ni))]; });
   if constexpr (has_softcap(V))
     apply_softcap_grad_transposed<Traits>(p, mods, m_block, n_block, dp, s, lse_log2, cS_rc);
+  if constexpr (has_dropout(V)) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(s); ++i) s(i) = fmaxf(s(i), 0.f);
+  }
   return next_stat;
 }
 
@@ -427,6 +491,7 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
     Tensor cS_rc = make_tensor(cS.data(), acc_rowcol_gmma(cS.layout()));  // (keys, query rows) -> (key, row)
     const int64_t row_stats = seq.stats(p, head);
     const ScoreMods mods = has_options(V) ? ScoreMods::make(p, seq, head) : ScoreMods{};
+    const Dropout dropout = has_dropout(V) ? Dropout::make(p, seq.batch, head) : Dropout{};
     const bool is_signaling = tid % 128 == 0;  // one arrival per warpgroup releases a buffer
 
     ClusterTransactionBarrier::wait(&smem.kv_full, state.kv_phase);
@@ -450,8 +515,8 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
       int next_stage;
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       const float next_stat = probs_and_grads<Traits, V, decltype(masked)::value, decltype(has_next)::value>(
-          p, smem, seq, mods, row_stats, ring.stage, m_block, n_block, tid, mma_sdp, tdPrV, tdPrdO(_, _, _, ring.stage),
-          acc_s, acc_dp, cS_rc, next_stage);
+          p, smem, seq, mods, dropout, row_stats, ring.stage, m_block, n_block, tid, mma_sdp, tdPrV,
+          tdPrdO(_, _, _, ring.stage), acc_s, acc_dp, cS_rc, next_stage);
       Tensor rP = make_tensor<Element>(acc_s.layout());
       Tensor rdS = make_tensor<Element>(acc_dp.layout());
       convert_fragment_into(acc_s, rP);
@@ -493,7 +558,7 @@ __device__ __forceinline__ void compute_bwd(BwdParams const& p, typename Traits:
     release_kv(smem, state, tid);
   }
 
-  store_dkdv<Traits>(p, seq, head, n_block, acc_dk, acc_dv, tid);
+  store_dkdv<Traits, V>(p, seq, head, n_block, acc_dk, acc_dv, tid);
 }
 
 // A consumer thread where the warpgroups split the head dim (Traits::kSplitsHeadDim, 64 keys a block): per query
@@ -540,6 +605,7 @@ __device__ __forceinline__ void compute_bwd_split(BwdParams const& p, typename T
     Tensor cS_rc = make_tensor(cS.data(), acc_rowcol_gmma(cS.layout()));  // (keys, query rows) -> (key, row)
     const int64_t row_stats = seq.stats(p, head);
     const ScoreMods mods = has_options(V) ? ScoreMods::make(p, seq, head) : ScoreMods{};
+    const Dropout dropout = has_dropout(V) ? Dropout::make(p, seq.batch, head) : Dropout{};
     const bool is_signaling = tid % 128 == 0;  // one arrival per warpgroup releases a buffer
 
     ClusterTransactionBarrier::wait(&smem.kv_full, state.kv_phase);
@@ -554,8 +620,8 @@ __device__ __forceinline__ void compute_bwd_split(BwdParams const& p, typename T
       int next_stage;
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
       const float next_stat = probs_and_grads<Traits, V, decltype(masked)::value, decltype(has_next)::value>(
-          p, smem, seq, mods, row_stats, ring.stage, m_block, n_block, tid, mma_sdp, tdPrV, tdPrdO(_, _, _, ring.stage),
-          acc_s, acc_dp, cS_rc, next_stage);
+          p, smem, seq, mods, dropout, row_stats, ring.stage, m_block, n_block, tid, mma_sdp, tdPrV,
+          tdPrdO(_, _, _, ring.stage), acc_s, acc_dp, cS_rc, next_stage);
       Tensor rP = make_tensor<Element>(acc_s.layout());
       Tensor rdS = make_tensor<Element>(acc_dp.layout());
       convert_fragment_into(acc_s, rP);
@@ -592,12 +658,12 @@ __device__ __forceinline__ void compute_bwd_split(BwdParams const& p, typename T
     release_kv(smem, state, tid);
   }
 
-  store_dkdv<Traits>(p, seq, head, n_block, acc_dk, acc_dv, tid);
+  store_dkdv<Traits, V>(p, seq, head, n_block, acc_dk, acc_dv, tid);
 }
 
 // A thread block per key block of each (sequence, head) up to the params' bound, for a kernel of variant V
-// (fwd_kernel's: fixed-length batches, variable-length ones, either kind with windows and ALiBi, and kSoftcap with the
-// softcap too; the registry sends the calls with dropout to the sm80 family). walks_tiles(V): a block takes its key
+// (fwd_kernel's: fixed-length batches, variable-length ones, either kind with windows and ALiBi, kSoftcap with the
+// softcap too, and those two with dropout). walks_tiles(V): a block takes its key
 // block and every gridDim.x-th after it while within its sequence (which may be longer than the bound, max_seqlen_k).
 template <typename Traits, bool kDq, Variant V>
 static __global__ void __launch_bounds__(Traits::kNThreads, 1)

@@ -32,19 +32,10 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
                        tma(p.k, e.rows_k, p.nheads_k, typename Traits::SmemLayoutK{}, TileK{}, "k"),
                        tma(p.v, e.rows_k, p.nheads_k, typename Traits::SmemLayoutV{}, TileK{}, "v"), p};
   const dim3 grid(ceil_div(p.seqlen_k, kBlockN), p.nheads, p.batch);
-  // The kernel's variant: windows and ALiBi (either kind of batch) in one, with the softcap in another, else the
-  // batch's kind.
-  auto for_kernel_variant = [&](auto launch_for) {
-    if (p.softcap > 0.f) {
-      launch_for(VariantConstant<Variant::kSoftcap>{});
-    } else if (needs_general(p)) {
-      launch_for(VariantConstant<Variant::kGeneral>{});
-    } else {
-      for_batch_kind(p, launch_for);
-    }
-  };
+  // The kernel's variant (host/launch.h): windows and ALiBi (either kind of batch) in one, with the softcap, with
+  // dropout, with both in others, else the batch's kind.
   if (!p.deterministic) {
-    for_kernel_variant([&](auto variant) {
+    for_variant(p, [&](auto variant) {
       launch(&bwd_kernel<Traits, true, variant()>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, args,
              "sm90 backward");
     });
@@ -60,7 +51,7 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
   using DqT = sm80::DqTraits<Element, kHeadDim>;
   constexpr int dq_smem = int(sizeof(sm80::DqSharedStorage<DqT>));
   require_smem(dq_smem, "backward dQ", kHeadDim);
-  for_kernel_variant([&](auto variant) {
+  for_variant(p, [&](auto variant) {
     launch(&bwd_kernel<Traits, false, variant()>, grid, Traits::kNThreads, Traits::kSmemBytes, stream, args,
            "sm90 backward dK/dV");
     launch(&sm80::bwd_dq_kernel<DqT, variant()>, dim3(ceil_div(p.seqlen_q, DqT::kBlockM), p.nheads, p.batch),

@@ -16,6 +16,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/device_kernel.h>  // CUTLASS_GRID_CONSTANT
 
+#include "cuteflash/common/dropout.cuh"
 #include "cuteflash/common/mask.cuh"
 #include "cuteflash/common/params.h"
 #include "cuteflash/common/softmax.cuh"
@@ -171,16 +172,20 @@ __device__ __forceinline__ void write_o_direct(FwdParams const& p, typename Trai
                                                                                    p.head_dim, tid);
 }
 
-// The end of a consumer warpgroup's rows: O /= l and lse = m scale + log(l), then O to global memory (kStaged:
-// write_o_staged, but, kSeveral (a block that may take several tiles), in a tile that saw no key, whose Q's buffer the
-// producer may be filling with the next tile's; else write_o_direct).
-template <typename Traits, bool kStaged, bool kSeveral, typename Softmax, typename AccO>
+// The end of a consumer warpgroup's rows: O /= l (and, has_dropout(V), O /= 1 - p) and lse = m scale + log(l), then
+// O to global memory (kStaged: write_o_staged, but, kSeveral (a block that may take several tiles), in a tile that saw
+// no key, whose Q's buffer the producer may be filling with the next tile's; else write_o_direct).
+template <typename Traits, bool kStaged, bool kSeveral, Variant V, typename Softmax, typename AccO>
 __device__ __forceinline__ void store_output(FwdParams const& p, Sequence const& seq, int head, int m_block,
                                              bool saw_keys, Softmax& softmax, AccO& acc_o,
                                              typename Traits::SharedStorage& smem, int tid) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   auto thr_mma = typename Traits::TiledMmaPV{}.get_thread_slice(tid);
+  if constexpr (has_dropout(V)) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= p.dropout_scale;
+  }
   Tensor acc_o_rc = make_tensor(acc_o.data(), acc_rowcol_gmma(acc_o.layout()));
   constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
   float row_lse[kRows];
@@ -205,13 +210,21 @@ __device__ __forceinline__ void store_output(FwdParams const& p, Sequence const&
   }
 }
 
+// has_dropout(V): the probabilities of P (rP, 16 bits, of the tile whose first row and key are row0 and col0) that
+// dropout drops zeroed, after the row sums, which count them all (store_output scales O by 1 / (1 - p)). The consumers
+// drop under the Q K^T they issued before, when the registers of S are free for the draws.
+template <Variant V, typename Probs, typename Coords>
+__device__ __forceinline__ void drop_probs(Dropout const& dropout, Probs& rP, Coords const& cS_rc, int row0, int col0) {
+  if constexpr (has_dropout(V)) apply_dropout_words(acc_words_gmma(rP), dropout, cS_rc, row0, col0);
+}
+
 // A consumer warpgroup's thread (tid: its index among the consumers), for one tile: the key loop over the blocks the
 // producer loads, from the last down: the masked ones at the diagonal first, the unmasked ones, then (a sliding window,
 // has_options(V)) the masked ones at the window's left edge. The product P V of a block runs while the softmax of the
 // next block's scores does: each step waits for the P V before it, converts the block before's P to 16 bits, issues
 // S = Q K^T of its block, rescales O, issues O += P V, and takes the softmax of S once Q K^T is done. has_options(V):
 // the scores get the softcap (has_softcap(V)) and the call's ALiBi term (in the masked steps, and in the others of a
-// call with slopes) before the mask.
+// call with slopes) before the mask, and dropout (has_dropout(V)) zeroes P's dropped probabilities.
 template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, Variant V>
 __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits::SharedStorage& smem,
                                              Sequence const& seq, int head, int m_block, BlockRange const& keys,
@@ -243,13 +256,14 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     Tensor s = make_tensor(acc_s.data(), acc_rowcol_gmma(acc_s.layout()));  // (rows, cols)
     Tensor rP = make_tensor<Element>(acc_s.layout());
     Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand_gmma(rP.layout()));  // (MMA, MMA_M, MMA_K)
-    // The softcap and ALiBi (has_options(V)), read once a tile; mask_scores's alibi: whether the step applies the
-    // call's ALiBi slopes (where it has any; false: it has none).
+    // The softcap and ALiBi (has_options(V)), read once a tile; mask_scores's no_alibi: a step without ALiBi's work
+    // (of a call without slopes; the masked steps take it where there are).
     const ScoreMods mods = has_options(V) ? ScoreMods::make(p, seq, head) : ScoreMods{};
-    auto mask_scores = [&](int n_block, auto masked, auto alibi) __attribute__((always_inline)) {
-      if constexpr (has_options(V) && (decltype(alibi)::value || has_softcap(V))) {
+    const Dropout dropout = has_dropout(V) ? Dropout::make(p, seq.batch, head) : Dropout{};
+    auto mask_scores = [&](int n_block, auto masked, auto no_alibi) __attribute__((always_inline)) {
+      if constexpr (has_options(V) && (!decltype(no_alibi)::value || has_softcap(V))) {
         ScoreMods step_mods = mods;
-        if constexpr (!decltype(alibi)::value) step_mods.alibi = 0.f;
+        if constexpr (decltype(no_alibi)::value) step_mods.alibi = 0.f;
         apply_score_mods<V>(s, cS_rc, m_block * kBlockM, n_block * kBlockN, step_mods, nullptr);
       }
       if constexpr (decltype(masked)::value) {
@@ -298,9 +312,9 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     }
     release(smem.k_empty, ring_k);
     if (has_options(V) ? keys.masked(n_block) : n_block >= keys.unmasked_end) {
-      mask_scores(n_block, cute::true_type{}, cute::true_type{});
+      mask_scores(n_block, cute::true_type{}, cute::false_type{});
     } else if constexpr (has_options(V)) {
-      mask_scores(n_block, cute::false_type{}, cute::true_type{});
+      mask_scores(n_block, cute::false_type{}, cute::false_type{});
     }
     // The factors by which O's rows are rescaled before the next P V adds to it (the first block's multiply zeros).
     float alpha[kRows];
@@ -314,7 +328,7 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
       warpgroup_fence_operand(acc_o);
       if (pv_in_flight) release(smem.v_empty, ring_v);
     };
-    auto step = [&](int n_block, auto masked, auto alibi) __attribute__((always_inline)) {
+    auto step = [&](int n_block, auto masked, auto no_alibi) __attribute__((always_inline)) {
       finish_pv();
       pv_in_flight = true;
       ClusterTransactionBarrier::wait(&smem.k_full[ring_k.stage], ring_k.phase);
@@ -322,27 +336,28 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
       turns.wait();
       gmma<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, ring_k.stage), acc_s);
       softmax.rescale(acc_o_rc, alpha);  // under Q K^T, which writes S only
+      drop_probs<V>(dropout, rP, cS_rc, m_block * kBlockM, (n_block + 1) * kBlockN);  // rP: the block before's
       ClusterTransactionBarrier::wait(&smem.v_full[ring_v.stage], ring_v.phase);
       gmma<false, -1>(mma_pv, tOrP, tOrV(_, _, _, ring_v.stage), acc_o);
       turns.pass();
       warpgroup_wait<1>();  // S is done
       warpgroup_fence_operand(acc_s);
       release(smem.k_empty, ring_k);
-      mask_scores(n_block, masked, alibi);
+      mask_scores(n_block, masked, no_alibi);
       softmax.update_scores(s, p.softmax_scale_log2, alpha);
     };
-    for (--n_block; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{}, cute::true_type{});
+    for (--n_block; n_block >= keys.unmasked_end; --n_block) step(n_block, cute::true_type{}, cute::false_type{});
     if constexpr (has_options(V)) {
       // The unmasked blocks: a copy of the step without ALiBi's work for a call without slopes (nvcc would issue it
       // predicated off in every step); then the window's left edge.
       if (p.alibi_slopes != nullptr) {
-        for (; n_block >= keys.unmasked_begin; --n_block) step(n_block, cute::false_type{}, cute::true_type{});
-      } else {
         for (; n_block >= keys.unmasked_begin; --n_block) step(n_block, cute::false_type{}, cute::false_type{});
+      } else {
+        for (; n_block >= keys.unmasked_begin; --n_block) step(n_block, cute::false_type{}, cute::true_type{});
       }
-      for (; n_block >= keys.begin; --n_block) step(n_block, cute::true_type{}, cute::true_type{});
+      for (; n_block >= keys.begin; --n_block) step(n_block, cute::true_type{}, cute::false_type{});
     } else {
-      for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{}, cute::false_type{});
+      for (; n_block >= keys.begin; --n_block) step(n_block, cute::false_type{}, cute::true_type{});
     }
     // Every Q K^T is done: a persistent block's producer loads the next tile's Q under the last P V and the stores
     // (a block that walks tiles, which stores O through Q's buffer, releases it after: write_o_staged).
@@ -351,18 +366,19 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     finish_pv();
     convert_fragment_into(acc_s, rP);
     softmax.rescale(acc_o_rc, alpha);
+    drop_probs<V>(dropout, rP, cS_rc, m_block * kBlockM, (n_block + 1) * kBlockN);  // keys.begin
     ClusterTransactionBarrier::wait(&smem.v_full[ring_v.stage], ring_v.phase);
     gmma<false, 0>(mma_pv, tOrP, tOrV(_, _, _, ring_v.stage), acc_o);
     release(smem.v_empty, ring_v);
     turns.end();
   }
-  store_output<Traits, !kPersistent, walks_tiles(V)>(p, seq, head, m_block, !keys.empty(), softmax, acc_o, smem, tid);
+  store_output<Traits, !kPersistent, walks_tiles(V), V>(p, seq, head, m_block, !keys.empty(), softmax, acc_o, smem,
+                                                        tid);
 }
 
 // A kernel of variant V: kFixed, fixed-length batches with at most a causal mask; kVarlen, variable-length ones;
-// kGeneral, either kind with sliding windows and ALiBi; kSoftcap, with the softcap too (the registry sends the calls
-// with dropout to the sm80 family). The tiles of TileScheduler (persistent for kFixed only); kSkipAboveDiagonal:
-// compute_tile.
+// kGeneral, either kind with sliding windows and ALiBi; kSoftcap, with the softcap too; kDropout and kSoftcapDropout,
+// those two with dropout. The tiles of TileScheduler (persistent for kFixed only); kSkipAboveDiagonal: compute_tile.
 template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, Variant V>
 static __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_kernel(CUTLASS_GRID_CONSTANT FwdArgs<Traits> const args) {
@@ -407,14 +423,14 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const bool leader = !walks_tiles(V) || cute::elect_one_sync();
       RingState<Traits::kStages> ring;
       uint32_t landed_phase = 0;
-      walk_tiles([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) {
+      walk_tiles([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) __attribute__((always_inline)) {
         load_tiles<Traits, V>(args, smem, seq, tile.head, tile.m_block, keys, ring_q, ring, landed_phase, leader);
       });
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     RingState<Traits::kStages> ring_k, ring_v;
-    walk_tiles([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) {
+    walk_tiles([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) __attribute__((always_inline)) {
       compute_tile<Traits, kPersistent, kSkipAboveDiagonal, V>(p, smem, seq, tile.head, tile.m_block, keys,
                                                                int(threadIdx.x) - 128, ring_q, ring_k, ring_v);
     });

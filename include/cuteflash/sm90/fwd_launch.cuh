@@ -49,22 +49,15 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
   // warpgroups (128 rows) would skip little (none but past the sequence's end at head dim 128, at most a block a tile
   // at 256), and the registers it takes spill at head dim 256.
   // Windows and ALiBi (either kind of batch): one kernel, on the causal tile (at head dim 128 its 128 keys a step
-  // rather than 176: fewer keys masked for nothing at a window's edges; on an H200 a window of 1024 at 16k ran in 0.67x
-  // the time, ALiBi 0.84-0.85x, causal or not; up to head dim 64 of two consumer warpgroups: tiles.h), whose blocks
-  // visit the keys the window spans and mask those at its edges.
-  // The softcap's tanh in a kernel of its own (kSoftcap), so that the others carry no trace of it.
-  if (needs_general(p)) {
-    using Traits = typename FwdOptionsTraitsSelect<Element, kHeadDim>::type;
-    if (p.softcap > 0.f) {
-      launch_fwd<Traits, false, false, Variant::kSoftcap>(p, stream);
-    } else {
-      launch_fwd<Traits, false, false, Variant::kGeneral>(p, stream);
-    }
-    return;
-  }
-  for_batch_kind(p, [&](auto batch_kind) {
-    constexpr Variant V = batch_kind();
-    if (p.causal) {
+  // rather than 176: fewer keys masked for nothing at a window's edges; up to head dim 64 of two consumer warpgroups:
+  // tiles.h), whose blocks visit the keys the window spans and mask those at its edges.
+  // The softcap's tanh, and dropout, in kernels of their own (host/launch.h's for_variant), so that the others carry no
+  // trace of them.
+  for_variant(p, [&](auto variant) {
+    constexpr Variant V = variant();
+    if constexpr (has_options(V)) {
+      launch_fwd<typename FwdOptionsTraitsSelect<Element, kHeadDim>::type, false, false, V>(p, stream);
+    } else if (p.causal) {
       using Traits = typename FwdTraitsSelect<Element, kHeadDim, true>::type;
       launch_fwd<Traits, false, (Traits::kConsumerWarpgroups == 3), V>(p, stream);
     } else {

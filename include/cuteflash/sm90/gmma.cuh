@@ -31,6 +31,17 @@ __host__ __device__ constexpr auto acc_as_a_operand_gmma(Layout acc) {
                      coalesce(make_layout(get<0, 1>(pairs), get<2>(acc))));
 }
 
+// A wgmma accumulator converted to 16 bits as words of column pairs, (row half, MMA_M, n8 tiles over MMA_N): the view
+// that common/dropout.cuh's apply_dropout_words takes.
+template <typename Fragment>
+__device__ __forceinline__ auto acc_words_gmma(Fragment& fragment) {
+  Tensor words = recast<uint32_t>(fragment);  // ((1, 2, N / 8), MMA_M, MMA_N)
+  auto layout = words.layout();
+  static_assert(decltype(size<0, 0>(layout))::value == 1 && decltype(size<0, 1>(layout))::value == 2);
+  return make_tensor(words.data(),
+                     make_layout(get<0, 1>(layout), get<1>(layout), make_layout(get<0, 2>(layout), get<2>(layout))));
+}
+
 // c (+)= a b over the k-slices of a and b, issued as one batch of wgmma; kWait: then waits until at most kWait
 // batches are in flight (-1: returns at once, the caller waits with warpgroup_wait). kZeroInit: c = a b (the first
 // slice's product overwrites c, so that no other instruction writes c between products).

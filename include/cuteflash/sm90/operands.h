@@ -18,7 +18,6 @@ using namespace cute;
 // family): refuses the rest, naming what it lacks.
 inline void check_supported(FwdParams const& p, char const* direction) {
   char const* missing = p.block_table != nullptr || p.seqused_k != nullptr ? "KV caches"
-                        : p.rng_state != nullptr                           ? "dropout"
                         : p.num_splits > 1                                 ? "key splits"
                                                                            : nullptr;
   if (missing != nullptr) {
