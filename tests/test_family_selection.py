@@ -131,6 +131,22 @@ def test_the_rule_sends_what_sm90_lacks_to_sm80(call, family):
     assert _families.takes(_families.get("sm90"), call, KERNELS) == (family == "sm90")
 
 
+def test_auto_hands_on_what_sm90_computes_more_slowly():
+    """The registry's `slower`: softcap with dropout in the sm90 backward up to head dim 64 goes to sm80, unless sm90
+    was forced by name; either option alone, the forward, and larger head dims stay."""
+    kernels = KERNELS | {("sm90", d, "fp16", 64) for d in ("fwd", "bwd")}
+    call = Call("bwd", "fp16", 64, softcap=True, dropout=True)
+    assert _families.computing_family("sm90", call, kernels) == "sm80"
+    assert _families.computing_family("sm90", call, kernels, forced=True) == "sm90"
+    for other in (
+        Call("bwd", "fp16", 64, dropout=True),
+        Call("bwd", "fp16", 64, softcap=True, window=True),
+        Call("fwd", "fp16", 64, softcap=True, dropout=True),
+        Call("bwd", "fp16", 128, softcap=True, dropout=True, alibi=True),
+    ):
+        assert _families.computing_family("sm90", other, kernels) == "sm90", other
+
+
 def test_a_family_without_a_delegate_takes_every_call():
     for name in ("sm70", "sm75", "sm80"):
         assert _families.get(name).delegate is None
@@ -198,6 +214,11 @@ def test_forced_sm90_computes_its_calls_and_hands_the_others_to_sm80(hopper_buil
     assert _lib.call_family(0, Call("fwd", "fp16", 128, varlen=True)) == "sm90"
     for call in (Call("bwd", "fp16", 64), Call("fwd", "fp16", 128, varlen=True, cache=True), Call("fwd", "fp16", 96)):
         assert _lib.call_family(0, call) == "sm80"
+    slower = Call("bwd", "fp16", 64, softcap=True, dropout=True)
+    monkeypatch.setattr(_lib, "compiled_kernels", lambda: KERNELS | {("sm90", "bwd", "fp16", 64)})
+    assert _lib.call_family(0, slower) == "sm90"  # (forced: it computes what it is slower at too)
+    monkeypatch.setenv(_lib.BACKEND_ENV, "auto")
+    assert _lib.call_family(0, slower) == "sm80"
 
 
 def test_sm90_is_auto_on_hopper(hopper_build):

@@ -34,6 +34,14 @@ from typing import NamedTuple
 FEATURES = ("varlen", "window", "softcap", "alibi", "dropout", "cache", "broadcast", "deterministic")
 
 
+class Slower(NamedTuple):
+    """The calls of one direction that use every one of `features`, at kernel head dims up to head_dim_max."""
+
+    direction: str
+    features: tuple[str, ...]
+    head_dim_max: int
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -80,6 +88,9 @@ class Family:
     # The kernel head dims a direction's kernels are compiled for, where not every one (a family with a delegate hands
     # the others to it).
     head_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Calls the family computes more slowly than its delegate (measured): CUTEFLASH_BACKEND=auto hands them to it; a
+    # family forced by name computes them itself.
+    slower: tuple[Slower, ...] = ()
 
     def serves(self, cc: int) -> bool:
         return self.cc_min <= cc and (self.cc_max is None or cc <= self.cc_max)
@@ -146,6 +157,9 @@ FAMILIES: tuple[Family, ...] = (
         delegate="sm80",  # (whose lse and out are laid out alike: its backward takes this family's forward)
         # (A deterministic pass: its dK/dV kernel, then the sm80 family's dQ kernel.)
         features=("varlen", "window", "softcap", "alibi", "dropout", "deterministic"),
+        # (Softcap with dropout at head dims 32 and 64: its backward kernel spills 632 bytes at 64, and on an H200 ran
+        # in 1.34-1.35x the sm80 family's time.)
+        slower=(Slower("bwd", ("softcap", "dropout"), 64),),
         decode_from="sm80",
     ),
 )
@@ -190,25 +204,31 @@ class Call(NamedTuple):
     deterministic: bool = False  # a backward pass asked to be bitwise reproducible
 
 
-def takes(family: Family, call: Call, compiled_kernels) -> bool:
+def takes(family: Family, call: Call, compiled_kernels, forced: bool = False) -> bool:
     """Whether family computes call itself rather than hand it to its delegate: always for a family without one;
     else where the family has the call's direction, computes every feature the call uses (features), and its
-    kernel of that direction, dtype and head dim is compiled in. compiled_kernels: the build's (family, direction,
-    dtype, head dim) of each compiled kernel, in the registry's names (fp16, bf16)."""
+    kernel of that direction, dtype and head dim is compiled in, and, unless the family was forced by name, the call
+    is not one it computes more slowly (slower). compiled_kernels: the build's (family, direction, dtype, head dim)
+    of each compiled kernel, in the registry's names (fp16, bf16)."""
     if family.delegate is None:
         return True
     used = {name for name in FEATURES if getattr(call, name)}
+    slower = any(
+        call.direction == s.direction and set(s.features) <= used and (call.head_dim or 0) <= s.head_dim_max
+        for s in family.slower
+    )
     return (
         call.direction in family.directions
         and used <= set(family.features)
         and (family.name, call.direction, call.dtype, call.head_dim) in compiled_kernels
+        and (forced or not slower)
     )
 
 
-def computing_family(name: str, call: Call, compiled_kernels) -> str:
-    """The family that computes call where family `name` was chosen for the device: that one where it takes the call,
-    else, in turn, the family it delegates to (takes)."""
+def computing_family(name: str, call: Call, compiled_kernels, forced: bool = False) -> str:
+    """The family that computes call where family `name` was chosen for the device (forced: by name): that one where
+    it takes the call, else, in turn, the family it delegates to (takes)."""
     family = get(name)
-    while not takes(family, call, compiled_kernels):
-        family = get(family.delegate)
+    while not takes(family, call, compiled_kernels, forced):
+        family, forced = get(family.delegate), False
     return family.name

@@ -161,16 +161,18 @@ _delegated: dict = {}
 
 def call_family(device, call: _families.Call, family: str | None = None) -> str:
     """The family that computes call on a CUDA device: `family` (default: select_family's), or where that one hands
-    the call on (the registry's rule, _families.computing_family), the family it goes to, checked as select_family
-    checks its own. Cached per (device, family, call)."""
+    the call on (the registry's rule, _families.computing_family; a family that CUTEFLASH_BACKEND names keeps the calls
+    it computes more slowly), the family it goes to, checked as select_family checks its own. Cached per (device,
+    family, call, forced or not)."""
     family = family or select_family(device)
     if _families.get(family).delegate is None:
         return family
     index = _device_index(device)
-    key = (index, family, call)
+    forced = os.environ.get(BACKEND_ENV, "auto") == family  # (it computes the calls it is slower at too)
+    key = (index, family, call, forced)
     computing = _delegated.get(key)
     if computing is None:
-        computing = _families.computing_family(family, call, compiled_kernels())
+        computing = _families.computing_family(family, call, compiled_kernels(), forced)
         if computing != family:
             cc = torch.cuda.get_device_capability(index)
             _require_runs(computing, index, cc, torch.cuda.get_device_name(index))
