@@ -272,7 +272,7 @@ __device__ __forceinline__ void grad_scores(BwdParams const& p, Grads& dp, Probs
 
 // Where a kernel of variant V draws dropout's mask (has_dropout(V)), kRows: the query rows a thread holds. With 16
 // (64-row blocks), while S^T runs, its bits kept in registers (keep_transposed); with 32 (128-row blocks, whose
-// registers are full: the bits spilled), after the exponentials, in place (mark_dropped without bits).
+// registers are full: the bits would spill), after the exponentials, in place (mark_dropped without bits).
 template <Variant V, int kRows>
 constexpr bool draws_early() {
   return has_dropout(V) && kRows <= 16;
