@@ -117,8 +117,14 @@ PLAIN = Call("fwd", "fp16", 128)
         (Call("bwd", "fp16", 128, window=True, softcap=True, alibi=True), "sm90"),
         (Call("fwd", "fp16", 128, dropout=True), "sm90"),
         (Call("bwd", "fp16", 128, alibi=True, softcap=True, dropout=True, deterministic=True), "sm90"),
-        (Call("bwd", "fp16", 128, dropout=True, cache=True), "sm80"),
-        (Call("fwd", "fp16", 128, cache=True), "sm80"),
+        (Call("bwd", "fp16", 128, dropout=True, broadcast=True), "sm80"),
+        (Call("fwd", "fp16", 128, cache=True), "sm90"),
+        (Call("fwd", "bf16", 128, softcap=True, cache=True), "sm90"),
+        (Call("fwd", "fp16", 128, varlen=True, cache=True), "sm90"),  # a paged cache of a varlen batch
+        (
+            Call("fwd", "fp16", 128, varlen=True, cache=True, broadcast=True),
+            "sm80",
+        ),  # an unpaged cache of a varlen batch
         (Call("fwd", "fp16", 128, broadcast=True), "sm80"),  # TMA takes no stride of 0
         (Call("fwd", "bf16", 64), "sm80"),  # no sm90 kernel of that dtype and head dim in this build
         (Call("fwd", "fp16", 256), "sm80"),
@@ -212,7 +218,11 @@ def test_forced_sm90_computes_its_calls_and_hands_the_others_to_sm80(hopper_buil
     assert _lib.select_family(0) == "sm90"
     assert _lib.call_family(0, PLAIN) == "sm90"
     assert _lib.call_family(0, Call("fwd", "fp16", 128, varlen=True)) == "sm90"
-    for call in (Call("bwd", "fp16", 64), Call("fwd", "fp16", 128, varlen=True, cache=True), Call("fwd", "fp16", 96)):
+    for call in (
+        Call("bwd", "fp16", 64),
+        Call("fwd", "fp16", 128, cache=True, broadcast=True),
+        Call("fwd", "fp16", 96),
+    ):
         assert _lib.call_family(0, call) == "sm80"
     slower = Call("bwd", "fp16", 64, softcap=True, dropout=True)
     monkeypatch.setattr(_lib, "compiled_kernels", lambda: KERNELS | {("sm90", "bwd", "fp16", 64)})
@@ -224,7 +234,8 @@ def test_forced_sm90_computes_its_calls_and_hands_the_others_to_sm80(hopper_buil
 def test_sm90_is_auto_on_hopper(hopper_build):
     hopper_build()
     assert _lib.call_family(0, PLAIN) == "sm90"
-    assert _lib.call_family(0, Call("fwd", "fp16", 128, cache=True)) == "sm80"
+    assert _lib.call_family(0, Call("fwd", "fp16", 128, cache=True)) == "sm90"
+    assert _lib.call_family(0, Call("fwd", "fp16", 128, cache=True, broadcast=True)) == "sm80"
 
 
 def test_the_delegate_must_be_compiled_and_run_here(hopper_build, monkeypatch):
@@ -236,7 +247,7 @@ def test_the_delegate_must_be_compiled_and_run_here(hopper_build, monkeypatch):
     hopper_build(runs_sm80=False, families={"sm80": "8.0", "sm90": "9.0a"})
     monkeypatch.setenv(_lib.BACKEND_ENV, "sm90")
     with pytest.raises(RuntimeError, match=r"sm80 kernels were compiled for 8\.0, which cannot run on NVIDIA H200"):
-        _lib.call_family(0, Call("fwd", "fp16", 128, cache=True))
+        _lib.call_family(0, Call("fwd", "fp16", 128, varlen=True, cache=True, broadcast=True))
 
 
 def test_a_plan_keeps_its_family(hopper_build, monkeypatch):

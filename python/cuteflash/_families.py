@@ -156,7 +156,8 @@ FAMILIES: tuple[Family, ...] = (
         defines=("NDEBUG", "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"),
         delegate="sm80",  # (whose lse and out are laid out alike: its backward takes this family's forward)
         # (A deterministic pass: its dK/dV kernel, then the sm80 family's dQ kernel.)
-        features=("varlen", "window", "softcap", "alibi", "dropout", "deterministic"),
+        # (KV caches: a variable-length batch's unpaged cache is read as an expanded tensor: broadcast.)
+        features=("varlen", "window", "softcap", "alibi", "dropout", "cache", "deterministic"),
         # (Softcap with dropout at head dims 32 and 64: its backward kernel spills several hundred bytes of registers.)
         slower=(Slower("bwd", ("softcap", "dropout"), 64),),
         decode_from="sm80",

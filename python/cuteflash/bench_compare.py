@@ -77,12 +77,17 @@ class Comparison:
         return self.start.elapsed_time(self.end) / calls
 
     def row(self, name: str, fn) -> None:
-        """fn: the call, or {build: its call} where a call holds what one build made (an autograd graph)."""
+        """fn: the call, or {build: its call} where a call holds what one build made (an autograd graph). A row that one
+        build does not compute (an older build whose kernels refuse the call) is reported and left out."""
         fns = fn if isinstance(fn, dict) else {"old": fn, "new": fn}
         try:
             for build in ("old", "new"):  # each build's first call (its per-device setup, its plan) is not timed
                 self.use(build)
-                fns[build]()
+                try:
+                    fns[build]()
+                except (ValueError, NotImplementedError) as e:  # (an older build's kernels that refuse the call)
+                    print(f"{name:46s} not compared: the {build} build does not compute it ({e})")
+                    return
             calls = max(2, min(400, int(self.ms / max(self._sample(fns["new"], 2), 1e-3))))
             times = {"old": [], "new": []}
             for r in range(self.rounds):

@@ -9,6 +9,7 @@
 #include <cutlass/array.h>
 
 #include "cuteflash/common/params.h"
+#include "cuteflash/common/sequence.cuh"
 #include "cuteflash/common/tiles.h"
 #include "cuteflash/common/utils.cuh"
 
@@ -124,6 +125,48 @@ static __global__ void __launch_bounds__(128) merge_splits_kernel(const FwdParam
   const int i = int(row % p.seqlen_q), head = int(row / p.seqlen_q % p.nheads),
             batch = int(row / p.seqlen_q / p.nheads);
   merge_split_row<Element, kHeadDim, kInFlight>(p, batch, head, i, threadIdx.x % 32);
+}
+
+// The end of a split of the keys of a query block (splits_keys): O, divided by the split's row sums, goes to
+// o_accum (above) in fp32, its log-sum-exp to lse_accum (-inf for a row that saw no key of the split).
+// acc: the accumulators' (rows, cols) view, coord: the (row, col) of each value in the block, row0: the block's
+// first row. kStaged: O goes through the block's shared memory (smem, kRowsTile x kHeadDim floats, free when
+// called), so that each thread stores 16 bytes at a time; else straight from the accumulators, 8 bytes at a time.
+// Which is faster depends on the kernel: each changes the spills of some kernels' key loops (fwd_block).
+template <bool kStaged, int kRowsTile, int kHeadDim, int kNThreads, int kRows, typename AccRowCol, typename CoordRowCol>
+__device__ __forceinline__ void store_partial(FwdParams const& p, Sequence const& seq, int head, int row0,
+                                              AccRowCol const& acc, CoordRowCol const& coord,
+                                              float const (&row_lse)[kRows], int rows_left, float* smem, unsigned tid) {
+  float* dst = p.o_accum + split_row(p, key_split(p), seq.batch, head, row0) * kHeadDim;  // the block's row 0
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    const int row = get<0>(coord(mi, 0));
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(acc); ni += 2) {  // a column pair of mma's accumulator, then the next n8 tile
+      const int col = get<1>(coord(mi, ni));
+      const float2 pair = make_float2(acc(mi, ni), acc(mi, ni + 1));
+      if constexpr (kStaged) {
+        *reinterpret_cast<float2*>(smem + row * kHeadDim + col) = pair;
+      } else if (row < rows_left && col < p.head_dim) {
+        *reinterpret_cast<float2*>(dst + row * kHeadDim + col) = pair;
+      }
+    }
+    if (get<1>(coord(mi, 0)) == 0 && row < rows_left) {
+      p.lse_accum[split_row(p, key_split(p), seq.batch, head, row0 + row)] =
+          row_lse[mi] == INFINITY ? -INFINITY : row_lse[mi];
+    }
+  }
+  if constexpr (kStaged) {
+    __syncthreads();
+    constexpr int kChunks = kHeadDim / 4;  // of 16 bytes, per row
+    CUTE_UNROLL
+    for (int i = int(tid); i < kRowsTile * kChunks; i += kNThreads) {
+      const int row = i / kChunks, col = i % kChunks * 4;
+      if (row < rows_left && col < p.head_dim) {
+        *reinterpret_cast<float4*>(dst + row * kHeadDim + col) = *reinterpret_cast<float4 const*>(smem + i * 4);
+      }
+    }
+  }
 }
 
 }  // namespace cuteflash

@@ -68,9 +68,9 @@ __device__ __forceinline__ void load_bwd(BwdArgs<Traits> const& args, typename T
   BwdParams const& p = args.p;
   const int head_k = head / (p.nheads / p.nheads_k);
   const bool varlen = reads_varlen<V>(p);
-  const GmemExtent extent = GmemExtent::of(p, varlen);
-  auto q_shape = make_shape(extent.rows_q, p.head_dim, p.nheads, extent.batch);
-  auto k_shape = make_shape(extent.rows_k, p.head_dim, p.nheads_k, extent.batch);
+  const GmemExtent extent = GmemExtent::of(p, varlen, false, false);
+  auto q_shape = make_shape(extent.rows_q, p.head_dim, p.nheads, extent.batch_q);
+  auto k_shape = make_shape(extent.rows_k, p.head_dim, p.nheads_k, extent.batch_k);
   // The sequence's rows from its first, (rows, head dim).
   auto rows_of = [&](auto const& tma, auto shape, int h, int batch, int row0) {
     return domain_offset(make_coord(row0, _0{}), tma.get_tma_tensor(shape)(_, _, h, extent.batch_index(batch)));

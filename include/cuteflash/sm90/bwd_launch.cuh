@@ -14,15 +14,14 @@ namespace cuteflash::sm90 {
 
 template <typename Element, int kHeadDim>
 void run_bwd(BwdParams const& p, cudaStream_t stream) {
-  check_supported(p, "backward");
   using Traits = typename BwdTraitsSelect<Element, kHeadDim>::type;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   require_smem(Traits::kSmemBytes, "sm90 backward", kHeadDim);
   launch_bwd_preprocess<Element, kHeadDim>(p, stream);
   const int d = p.head_dim;
-  const GmemExtent e = GmemExtent::of(p, p.cu_seqlens_q != nullptr);
+  const GmemExtent e = GmemExtent::of(p, p.cu_seqlens_q != nullptr, false, false);  // (no caches: q's batch is k's)
   auto tma = [&](Operand const& t, int rows, int heads, auto smem_layout, auto tile, char const* name) {
-    return make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(t, rows, d, heads, e.batch, name), smem_layout,
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(t, rows, d, heads, e.batch_q, name), smem_layout,
                          tile, _1{});
   };
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;

@@ -9,7 +9,8 @@
 //   O += P V (wgmma, P from registers)
 // and at the end O to global memory (through Q's buffer for a block's one tile, from registers in persistent blocks),
 // and the rows' log-sum-exp. Q's buffer is released once the tile's last Q K^T is done, so that a persistent block's
-// producer loads the next tile's Q under the tile's last P V and its stores.
+// producer loads the next tile's Q under the tile's last P V and its stores. Kernels of their own read a KV cache
+// (KvCache: contiguous, or paged through load_paged_keys) and may split its keys (O and lse in fp32, merged after).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -28,11 +29,12 @@
 namespace cuteflash::sm90 {
 
 // The kernel's argument: the TMA descriptors (which hold the operands' addresses) and the params.
-template <typename Traits>
+// kPaged: K and V of a paged cache, loaded kPageRows rows at a time (load_paged_keys).
+template <typename Traits, bool kPaged = false>
 struct FwdArgs {
   typename Traits::TmaQ tma_q;
-  typename Traits::TmaK tma_k;
-  typename Traits::TmaVt tma_v;
+  std::conditional_t<kPaged, typename Traits::TmaKPaged, typename Traits::TmaK> tma_k;
+  std::conditional_t<kPaged, typename Traits::TmaVtPaged, typename Traits::TmaVt> tma_v;
   FwdParams p;
 };
 
@@ -61,69 +63,169 @@ struct Turns {
   }
 };
 
+// Lane g's slice of a paged cache's key block [key0, key0 + kBlockN) of sequence seq: rows [16 g, 16 g + 16) of the
+// block, loaded by TMA (by_tma) where they are keys of one page (page: its block-table entry; a page outside the cache
+// reads as TMA's zeros), else copied by the warp (load_paged_keys). Looked up once for K and V. page_shift:
+// log2_page_size(p).
+struct PagedSlice {
+  int page, in_page;
+  bool by_tma;
+};
+
+template <typename Traits>
+__device__ __forceinline__ PagedSlice paged_slice(FwdParams const& p, Sequence const& seq, int key0, int page_shift) {
+  constexpr int kRows = Traits::kPageRows;
+  const int lane = int(threadIdx.x % 32);
+  const int key = key0 + kRows * lane;
+  const PagePlace place = page_place(p, seq, key, page_shift);
+  const bool by_tma =
+      lane < Traits::kBlockN / kRows && key + kRows <= seq.seqlen_k && place.in_page + kRows <= p.page_size;
+  return {load_offset_if(place.entry, by_tma, -1), place.in_page, by_tma};
+}
+
+// A paged cache's key block [key0, key0 + kBlockN) of operand t (k or v) and key-value head head_k into a stage's
+// buffer, by the producer's warp: each lane's slice (paged_slice) by TMA (issue(g, page, row on the page)), or the
+// warp copies the slice itself (a slice across two pages, after cache_leftpad, or past the sequence's keys), 16 bytes
+// a lane, with zeros for the rows past the keys, the columns past the head dim and the pages outside the cache. The
+// buffer's barrier (full, one arrival) completes with the loads' bytes and the leader's arrival after the copies.
+// at(r, c): the buffer's address of row r, column c.
+template <typename Traits, typename Issue, typename At>
+__device__ __forceinline__ void load_paged_keys(FwdParams const& p, Sequence const& seq, Operand const& t, int head_k,
+                                                int key0, int page_shift, PagedSlice const& slice, uint64_t* full,
+                                                Issue const& issue, At const& at) {
+  using Element = typename Traits::Element;
+  constexpr int kRows = Traits::kPageRows, kSlices = Traits::kBlockN / kRows, kChunks = Traits::kHeadDim / 8;
+  const int lane = int(threadIdx.x % 32);
+  const uint32_t tma_slices = __ballot_sync(0xffffffffu, slice.by_tma);
+  if (lane == 0) ClusterTransactionBarrier::expect_transaction(full, __popc(tma_slices) * Traits::kPageRowsBytes);
+  __syncwarp();
+  if (slice.by_tma) issue(lane, slice.page, slice.in_page);
+  const uint32_t copied = ~tma_slices & ((1u << kSlices) - 1);
+  if (copied != 0) {
+    for (uint32_t left = copied; left != 0; left &= left - 1) {
+      const int first = kRows * (__ffs(left) - 1);  // the slice's first row
+      for (int c = lane; c < kRows * kChunks; c += 32) {
+        const int r = first + c / kChunks, col = c % kChunks * 8, key = key0 + r;
+        uint4 value = make_uint4(0, 0, 0, 0);
+        if (key < seq.seqlen_k && col < p.head_dim) {
+          const PagePlace place = page_place(p, seq, key, page_shift);
+          const int page = load_offset(place.entry);
+          if (unsigned(page) < unsigned(p.num_pages)) {
+            value = *reinterpret_cast<uint4 const*>(t.at<Element const>(page, head_k, place.in_page) + col);
+          }
+        }
+        *reinterpret_cast<uint4*>(at(r, col)) = value;
+      }
+    }
+    cutlass::arch::fence_view_async_shared();  // the copies are visible to the products (wgmma) that read the buffer
+  }
+  __syncwarp();
+  if (lane == 0) ClusterBarrier::arrive(full);
+}
+
 // The producer, for one tile: Q, then K and V of each visible key block, from the last down (nothing for a query
 // block that sees no key). A buffer is refilled once every consumer warpgroup has released it (its empty barrier's
 // phase; the first round waits for nothing); the rings continue from tile to tile. One thread (leader), or, in a kernel
 // that walks tiles (walks_tiles), the producer's warp, whose leader lane issues the loads: in a variable-length batch
-// V's rows past the sequence are zeroed (load_zeroing_tail; K's scores there are masked, and Q's rows past it are not
-// stored).
-template <typename Traits, Variant V>
-__device__ __forceinline__ void load_tiles(FwdArgs<Traits> const& args, typename Traits::SharedStorage& smem,
-                                           Sequence const& seq, int head, int m_block, BlockRange const& keys,
-                                           RingState<1>& ring_q, RingState<Traits::kStages>& ring,
-                                           uint32_t& landed_phase, bool leader) {
+// or a KV cache V's rows past the sequence's keys are zeroed (load_zeroing_tail; K's scores there are masked, and Q's
+// rows past the sequence are not stored). A paged cache (C): K and V by the warp (load_paged_keys).
+template <typename Traits, Variant V, KvCache C>
+__device__ __forceinline__ void load_tiles(FwdArgs<Traits, C == KvCache::kPaged> const& args,
+                                           typename Traits::SharedStorage& smem, Sequence const& seq, int head,
+                                           int m_block, BlockRange const& keys, RingState<1>& ring_q,
+                                           RingState<Traits::kStages>& ring, uint32_t& landed_phase, bool leader) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   FwdParams const& p = args.p;
   const int head_k = head / (p.nheads / p.nheads_k);
-  const bool varlen = reads_varlen<V>(p);
-  const GmemExtent extent = GmemExtent::of(p, varlen);
-  Tensor mQ = args.tma_q.get_tma_tensor(make_shape(extent.rows_q, p.head_dim, p.nheads, extent.batch));
-  Tensor mK = args.tma_k.get_tma_tensor(make_shape(extent.rows_k, p.head_dim, p.nheads_k, extent.batch));
-  Tensor mVt = args.tma_v.get_tma_tensor(make_shape(p.head_dim, extent.rows_k, p.nheads_k, extent.batch));
-  // The sequence's rows from its first: (rows, head dim) of q and k, (head dim, rows) of V^T.
+  const GmemExtent extent = GmemExtent::of(p, reads_varlen<V>(p), C != KvCache::kNone, C == KvCache::kPaged);
+  Tensor mQ = args.tma_q.get_tma_tensor(make_shape(extent.rows_q, p.head_dim, p.nheads, extent.batch_q));
+  Tensor mK = args.tma_k.get_tma_tensor(make_shape(extent.rows_k, p.head_dim, p.nheads_k, extent.batch_k));
+  Tensor mVt = args.tma_v.get_tma_tensor(make_shape(p.head_dim, extent.rows_k, p.nheads_k, extent.batch_k));
+  // The sequence's rows from its first: (rows, head dim) of q.
   Tensor mQs = domain_offset(make_coord(seq.q_row0, _0{}), mQ(_, _, head, extent.batch_index(seq.batch)));
-  Tensor mKs = domain_offset(make_coord(seq.k_row0, _0{}), mK(_, _, head_k, extent.batch_index(seq.k_batch)));
-  Tensor mVts = domain_offset(make_coord(_0{}, seq.k_row0), mVt(_, _, head_k, extent.batch_index(seq.k_batch)));
-  Tensor gQ = local_tile(mQs, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-  Tensor gK = local_tile(mKs, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
-  Tensor gVt = local_tile(mVts, Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(0, _));
-  // gQ: (kBlockM, kHeadDim); gK: (kBlockN, kHeadDim, blocks); gVt: (kHeadDim, kBlockN, blocks)
+  Tensor gQ = local_tile(mQs, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (kBlockM, kHeadDim)
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
-
   auto tma_q = args.tma_q.get_slice(_0{});
   auto tma_k = args.tma_k.get_slice(_0{});
   auto tma_v = args.tma_v.get_slice(_0{});
-  Tensor tQgQ = group_modes<0, 3>(tma_q.partition_S(gQ));    // (TMA)
-  Tensor tQsQ = group_modes<0, 3>(tma_q.partition_D(sQ));    // (TMA)
-  Tensor tKgK = group_modes<0, 3>(tma_k.partition_S(gK));    // (TMA, blocks)
-  Tensor tKsK = group_modes<0, 3>(tma_k.partition_D(sK));    // (TMA, stages)
-  Tensor tVgVt = group_modes<0, 3>(tma_v.partition_S(gVt));  // (TMA, blocks)
-  Tensor tVsVt = group_modes<0, 3>(tma_v.partition_D(sVt));  // (TMA, stages)
 
   if (keys.empty()) return;  // the consumers write O = 0 and read nothing
   ClusterBarrier::wait(&smem.q_empty, ring_q.phase ^ 1);
   if (leader) {
     ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, Traits::kQBytes);
-    copy(args.tma_q.with(smem.q_full), tQgQ, tQsQ);
+    copy(args.tma_q.with(smem.q_full), group_modes<0, 3>(tma_q.partition_S(gQ)),
+         group_modes<0, 3>(tma_q.partition_D(sQ)));
   }
   ring_q.advance();
-  for (int n_block = keys.end - 1; n_block >= keys.begin; --n_block) {
-    ClusterBarrier::wait(&smem.k_empty[ring.stage], ring.phase ^ 1);
-    if (leader) {
-      ClusterTransactionBarrier::arrive_and_expect_tx(&smem.k_full[ring.stage], Traits::kKVBytes);
-      copy(args.tma_k.with(smem.k_full[ring.stage]), tKgK(_, n_block), tKsK(_, ring.stage));
+  if constexpr (C == KvCache::kPaged) {
+    using Rows = Int<Traits::kPageRows>;
+    const int page_shift = log2_page_size(p);
+    // Each block's pages are looked up a block ahead, so that the reads of the block table run under the waits.
+    PagedSlice next = paged_slice<Traits>(p, seq, (keys.end - 1) * kBlockN, page_shift);
+    for (int n_block = keys.end - 1; n_block >= keys.begin; --n_block) {
+      const int stage = ring.stage;
+      const PagedSlice slice = next;
+      if (n_block > keys.begin) next = paged_slice<Traits>(p, seq, (n_block - 1) * kBlockN, page_shift);
+      ClusterBarrier::wait(&smem.k_empty[stage], ring.phase ^ 1);
+      load_paged_keys<Traits>(
+          p, seq, p.k, head_k, n_block * kBlockN, page_shift, slice, &smem.k_full[stage],
+          [&](int g, int page, int row) {
+            Tensor src = local_tile(domain_offset(make_coord(row, _0{}), mK(_, _, head_k, page)),
+                                    Shape<Rows, Int<kHeadDim>>{}, make_coord(0, 0));
+            Tensor dst = local_tile(sK(_, _, stage), Shape<Rows, Int<kHeadDim>>{}, make_coord(g, 0));
+            copy(args.tma_k.with(smem.k_full[stage]), group_modes<0, 3>(tma_k.partition_S(src)),
+                 group_modes<0, 3>(tma_k.partition_D(dst)));
+          },
+          [&](int r, int c) { return &sK(r, c, stage); });
+      ClusterBarrier::wait(&smem.v_empty[stage], ring.phase ^ 1);
+      load_paged_keys<Traits>(
+          p, seq, p.v, head_k, n_block * kBlockN, page_shift, slice, &smem.v_full[stage],
+          [&](int g, int page, int row) {
+            Tensor src = local_tile(domain_offset(make_coord(_0{}, row), mVt(_, _, head_k, page)),
+                                    Shape<Int<kHeadDim>, Rows>{}, make_coord(0, 0));
+            Tensor dst = local_tile(sVt(_, _, stage), Shape<Int<kHeadDim>, Rows>{}, make_coord(0, g));
+            copy(args.tma_v.with(smem.v_full[stage]), group_modes<0, 3>(tma_v.partition_S(src)),
+                 group_modes<0, 3>(tma_v.partition_D(dst)));
+          },
+          [&](int r, int c) { return &sVt(c, r, stage); });
+      ring.advance();
     }
-    ClusterBarrier::wait(&smem.v_empty[ring.stage], ring.phase ^ 1);
-    const int stage = ring.stage;
-    auto issue_v = [&](uint64_t& barrier) { copy(args.tma_v.with(barrier), tVgVt(_, n_block), tVsVt(_, stage)); };
-    const int rows = seq.seqlen_k - n_block * kBlockN;
-    load_zeroing_tail(
-        &smem.v_full[stage], &smem.landed, landed_phase, Traits::kKVBytes, varlen && rows < kBlockN, leader, issue_v,
-        [&] { zero_rows_from<kBlockN, kHeadDim>(rows, [&](int r, int c) { return &sVt(c, r, stage); }); });
-    ring.advance();
+  } else {
+    // The sequence's keys from its first: (rows, head dim) of k, (head dim, rows) of V^T.
+    Tensor mKs = domain_offset(make_coord(seq.k_row0, _0{}), mK(_, _, head_k, extent.k_batch_index(seq)));
+    Tensor mVts = domain_offset(make_coord(_0{}, seq.k_row0), mVt(_, _, head_k, extent.k_batch_index(seq)));
+    Tensor gK = local_tile(mKs, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (kBlockN, kHeadDim, blocks)
+    Tensor gVt = local_tile(mVts, Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(0, _));  // (kHeadDim, kBlockN, ..)
+    Tensor tKgK = group_modes<0, 3>(tma_k.partition_S(gK));                                 // (TMA, blocks)
+    Tensor tKsK = group_modes<0, 3>(tma_k.partition_D(sK));                                 // (TMA, stages)
+    Tensor tVgVt = group_modes<0, 3>(tma_v.partition_S(gVt));                               // (TMA, blocks)
+    Tensor tVsVt = group_modes<0, 3>(tma_v.partition_D(sVt));                               // (TMA, stages)
+    for (int n_block = keys.end - 1; n_block >= keys.begin; --n_block) {
+      ClusterBarrier::wait(&smem.k_empty[ring.stage], ring.phase ^ 1);
+      if (leader) {
+        ClusterTransactionBarrier::arrive_and_expect_tx(&smem.k_full[ring.stage], Traits::kKVBytes);
+        copy(args.tma_k.with(smem.k_full[ring.stage]), tKgK(_, n_block), tKsK(_, ring.stage));
+      }
+      ClusterBarrier::wait(&smem.v_empty[ring.stage], ring.phase ^ 1);
+      const int stage = ring.stage;
+      auto issue_v = [&](uint64_t& barrier) { copy(args.tma_v.with(barrier), tVgVt(_, n_block), tVsVt(_, stage)); };
+      const int rows = seq.seqlen_k - n_block * kBlockN;
+      load_zeroing_tail(&smem.v_full[stage], &smem.landed, landed_phase, Traits::kKVBytes,
+                        extent.rows_past_keys() && rows < kBlockN, leader, issue_v, [&] {
+                          zero_rows_from<kBlockN, kHeadDim>(rows, [&](int r, int c) { return &sVt(c, r, stage); });
+                        });
+      ring.advance();
+    }
   }
+}
+
+// A consumer warpgroup releases Q's buffer once each of its threads is done with it.
+template <typename Traits>
+__device__ __forceinline__ void release_q(typename Traits::SharedStorage& smem, int tid) {
+  cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + uint32_t(tid / 128));
+  if (tid % 128 == 0) ClusterBarrier::arrive(&smem.q_empty);
 }
 
 // A consumer warpgroup's rows of O (rows < rows_left, columns < head_dim) to global memory through its rows of sQ,
@@ -158,8 +260,7 @@ __device__ __forceinline__ void write_o_staged(FwdParams const& p, typename Trai
                            rows_left - warpgroup * 64, p.head_dim);
   if constexpr (kReleaseQ) {
     cutlass::arch::fence_view_async_shared();  // the accesses to sQ come before the producer's next TMA load into it
-    cutlass::arch::NamedBarrier::sync(128, barrier);
-    if (tid % 128 == 0) ClusterBarrier::arrive(&smem.q_empty);
+    release_q<Traits>(smem, tid);
   }
 }
 
@@ -174,8 +275,9 @@ __device__ __forceinline__ void write_o_direct(FwdParams const& p, typename Trai
 
 // The end of a consumer warpgroup's rows: O /= l (and, has_dropout(V), O /= 1 - p) and lse = m scale + log(l), then
 // O to global memory (kStaged: write_o_staged, but, kSeveral (a block that may take several tiles), in a tile that saw
-// no key, whose Q's buffer the producer may be filling with the next tile's; else write_o_direct).
-template <typename Traits, bool kStaged, bool kSeveral, Variant V, typename Softmax, typename AccO>
+// no key, whose Q's buffer the producer may be filling with the next tile's; else write_o_direct), or, where the keys
+// are split (a kernel that reads cache C: splits_cache_keys), the split's O and lse to o_accum and lse_accum.
+template <typename Traits, bool kStaged, bool kSeveral, Variant V, KvCache C, typename Softmax, typename AccO>
 __device__ __forceinline__ void store_output(FwdParams const& p, Sequence const& seq, int head, int m_block,
                                              bool saw_keys, Softmax& softmax, AccO& acc_o,
                                              typename Traits::SharedStorage& smem, int tid) {
@@ -194,6 +296,12 @@ __device__ __forceinline__ void store_output(FwdParams const& p, Sequence const&
   const int rows_left = seq.seqlen_q - m_block * kBlockM;
   Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Traits::kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), acc_rowcol_gmma(cO.layout()));
+  if (splits_cache_keys<C>(p)) {  // the split's O and lse in fp32, merged by a kernel after (split_merge.cuh)
+    store_partial<false, kBlockM, Traits::kHeadDim, 0>(p, seq, head, m_block * kBlockM, acc_o_rc, cO_rc, row_lse,
+                                                       rows_left, nullptr, tid);
+    if (kSeveral && saw_keys) release_q<Traits>(smem, tid);
+    return;
+  }
   float* lse = p.lse + seq.stats(p, head) + m_block * kBlockM;
   if (get<1>(cO_rc(0, 0)) == 0) {  // the first thread of each quad writes the quad's rows
     CUTE_UNROLL
@@ -225,7 +333,7 @@ __device__ __forceinline__ void drop_probs(Dropout const& dropout, Probs& rP, Co
 // S = Q K^T of its block, rescales O, issues O += P V, and takes the softmax of S once Q K^T is done. has_options(V):
 // the scores get the softcap (has_softcap(V)) and the call's ALiBi term (in the masked steps, and in the others of a
 // call with slopes) before the mask, and dropout (has_dropout(V)) zeroes P's dropped probabilities.
-template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, Variant V>
+template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, Variant V, KvCache C>
 __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits::SharedStorage& smem,
                                              Sequence const& seq, int head, int m_block, BlockRange const& keys,
                                              int tid, RingState<1>& ring_q, RingState<Traits::kStages>& ring_k,
@@ -372,16 +480,18 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
     release(smem.v_empty, ring_v);
     turns.end();
   }
-  store_output<Traits, !kPersistent, walks_tiles(V), V>(p, seq, head, m_block, !keys.empty(), softmax, acc_o, smem,
-                                                        tid);
+  store_output<Traits, !kPersistent, walks_tiles(V), V, C>(p, seq, head, m_block, !keys.empty(), softmax, acc_o, smem,
+                                                           tid);
 }
 
 // A kernel of variant V: kFixed, fixed-length batches with at most a causal mask; kVarlen, variable-length ones;
 // kGeneral, either kind with sliding windows and ALiBi; kSoftcap, with the softcap too; kDropout and kSoftcapDropout,
 // those two with dropout. The tiles of TileScheduler (persistent for kFixed only); kSkipAboveDiagonal: compute_tile.
-template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, Variant V>
+// C: the KV cache it reads (kGeneral and kSoftcap: fwd_launch.cuh's for_kv_cache), whose keys it may split.
+template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, Variant V, KvCache C>
 static __global__ void __launch_bounds__(Traits::kNThreads, 1)
-    fwd_kernel(CUTLASS_GRID_CONSTANT FwdArgs<Traits> const args) {
+    fwd_kernel(CUTLASS_GRID_CONSTANT FwdArgs<Traits, C == KvCache::kPaged> const args) {
+  static_assert(C == KvCache::kNone || (serves_caches(V) && walks_tiles(V)));  // (the producer's warp loads pages)
   extern __shared__ __align__(1024) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   FwdParams const& p = args.p;
@@ -408,11 +518,19 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                                              kPersistent ? m_blocks * p.nheads * p.batch : 1};
   auto walk_tiles = [&](auto&& body) __attribute__((always_inline)) {
     for (int t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t)) {
-      const FwdTile tile = scheduler.tile(t);
+      FwdTile tile = scheduler.tile(t);
+      if (splits_cache_keys<C>(p))
+        tile.m_block /= p.num_splits;  // blocks num_splits apart take one tile (sequence.cuh)
       const Sequence seq = sequence<V>(p, tile.batch);
       if (walks_tiles(V) && tile.m_block * Traits::kBlockM >= seq.seqlen_q) break;  // past its sequence's end
-      const BlockRange keys =
-          mask_policy<V>(p, seq).template key_blocks<Traits::kBlockM, Traits::kBlockN>(tile.m_block);
+      BlockRange keys = mask_policy<V>(p, seq).template key_blocks<Traits::kBlockM, Traits::kBlockN>(tile.m_block);
+      if (splits_cache_keys<C>(p)) {
+        // A split keeps the call's unmasked blocks (BlockRange::split); compute_tile's runs of steps need them within
+        // it.
+        keys = keys.split(key_split(p), p.num_splits);
+        keys.unmasked_end = std::min(std::max(keys.unmasked_end, keys.begin), keys.end);
+        keys.unmasked_begin = std::min(std::max(keys.unmasked_begin, keys.begin), keys.unmasked_end);
+      }
       body(tile, seq, keys);
     }
   };
@@ -424,15 +542,15 @@ static __global__ void __launch_bounds__(Traits::kNThreads, 1)
       RingState<Traits::kStages> ring;
       uint32_t landed_phase = 0;
       walk_tiles([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) __attribute__((always_inline)) {
-        load_tiles<Traits, V>(args, smem, seq, tile.head, tile.m_block, keys, ring_q, ring, landed_phase, leader);
+        load_tiles<Traits, V, C>(args, smem, seq, tile.head, tile.m_block, keys, ring_q, ring, landed_phase, leader);
       });
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     RingState<Traits::kStages> ring_k, ring_v;
     walk_tiles([&](FwdTile const& tile, Sequence const& seq, BlockRange const& keys) __attribute__((always_inline)) {
-      compute_tile<Traits, kPersistent, kSkipAboveDiagonal, V>(p, smem, seq, tile.head, tile.m_block, keys,
-                                                               int(threadIdx.x) - 128, ring_q, ring_k, ring_v);
+      compute_tile<Traits, kPersistent, kSkipAboveDiagonal, V, C>(p, smem, seq, tile.head, tile.m_block, keys,
+                                                                  int(threadIdx.x) - 128, ring_q, ring_k, ring_v);
     });
   }
 }

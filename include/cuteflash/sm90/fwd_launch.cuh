@@ -6,40 +6,65 @@
 #pragma once
 
 #include "cuteflash/host/launch.h"
+#include "cuteflash/host/launch_common.cuh"
 #include "cuteflash/sm90/fwd_kernel.cuh"
 #include "cuteflash/sm90/operands.h"
 
 namespace cuteflash::sm90 {
 
 // kPersistent: a block per multiprocessor, each through its share of the tiles (TileScheduler); else a block per query
-// block of each (sequence, head). V: the kernel's variant (fwd_kernel; kFixed only is persistent).
-template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, Variant V>
+// block of each (sequence, head). V: the kernel's variant (fwd_kernel; kFixed only is persistent). C: the KV cache it
+// reads; a paged one's descriptors span the pages and bring kPageRows rows at a time (load_paged_keys).
+template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, Variant V, KvCache C = KvCache::kNone>
 void launch_fwd(FwdParams const& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  constexpr bool kPaged = C == KvCache::kPaged;
+  constexpr int kRowsKV = kPaged ? Traits::kPageRows : Traits::kBlockN;  // the rows of k and v a load brings
+  using SmemLayoutK = std::conditional_t<kPaged, typename Traits::SmemLayoutKPage,
+                                         decltype(take<0, 2>(typename Traits::SmemLayoutK{}))>;
+  using SmemLayoutVt = std::conditional_t<kPaged, typename Traits::SmemLayoutVtPage,
+                                          decltype(take<0, 2>(typename Traits::SmemLayoutVt{}))>;
   require_smem(Traits::kSmemBytes, "sm90 forward", kHeadDim);
   const int d = p.head_dim;
-  const GmemExtent e = GmemExtent::of(p, p.cu_seqlens_q != nullptr);
-  FwdArgs<Traits> args{
-      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.q, e.rows_q, d, p.nheads, e.batch, "q"),
+  const GmemExtent e = GmemExtent::of(p, p.cu_seqlens_q != nullptr, C != KvCache::kNone, kPaged);
+  FwdArgs<Traits, kPaged> args{
+      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.q, e.rows_q, d, p.nheads, e.batch_q, "q"),
                     typename Traits::SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.k, e.rows_k, d, p.nheads_k, e.batch, "k"),
-                    take<0, 2>(typename Traits::SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<true, Element>(p.v, e.rows_k, d, p.nheads_k, e.batch, "v"),
-                    take<0, 2>(typename Traits::SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.k, e.rows_k, d, p.nheads_k, e.batch_k, "k"),
+                    SmemLayoutK{}, Shape<Int<kRowsKV>, Int<kHeadDim>>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<true, Element>(p.v, e.rows_k, d, p.nheads_k, e.batch_k, "v"),
+                    SmemLayoutVt{}, Shape<Int<kHeadDim>, Int<kRowsKV>>{}, _1{}),
       p};
   dim3 grid = fwd_grid(p, kBlockM);
   if constexpr (kPersistent) {
     const int64_t tiles = int64_t(grid.x) * grid.y * grid.z;
     grid = dim3(unsigned(std::max<int64_t>(1, std::min<int64_t>(tiles, device_limits().sms))));
   }
-  launch(&fwd_kernel<Traits, kPersistent, kSkipAboveDiagonal, V>, grid, Traits::kNThreads, Traits::kSmemBytes, stream,
-         args, "sm90 forward");
+  launch(&fwd_kernel<Traits, kPersistent, kSkipAboveDiagonal, V, C>, grid, Traits::kNThreads, Traits::kSmemBytes,
+         stream, args, "sm90 forward");
+  if (p.num_splits > 1) merge_splits<Element, kHeadDim>(p, stream);
+}
+
+// Calls launch_for(std::integral_constant<KvCache, C>{}) with the KV cache C that a kernel of variant V reads for p:
+// kernels of their own for a contiguous and a paged cache (the variants that serve caches: sequence.cuh).
+template <Variant V, typename LaunchFor>
+void for_kv_cache(FwdParams const& p, LaunchFor const& launch_for) {
+  if constexpr (serves_caches(V)) {
+    if (p.block_table != nullptr) {
+      launch_for(std::integral_constant<KvCache, KvCache::kPaged>{});
+      return;
+    }
+    if (p.seqused_k != nullptr) {
+      launch_for(std::integral_constant<KvCache, KvCache::kContiguous>{});
+      return;
+    }
+  }
+  launch_for(std::integral_constant<KvCache, KvCache::kNone>{});
 }
 
 template <typename Element, int kHeadDim>
 void run_fwd(FwdParams const& p, cudaStream_t stream) {
-  check_supported(p, "forward");
   // Persistent blocks only for full attention up to head dim 64, the short tiles whose start and end are a large part
   // of their time (fixed-length batches: a variable-length one's tiles are listed by sequence, TileScheduler). Causal
   // tiles differ in their work: the grid's order (heaviest first) and the hardware's placement of blocks as others
@@ -52,11 +77,13 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
   // rather than 176: fewer keys masked for nothing at a window's edges; up to head dim 64 of two consumer warpgroups:
   // tiles.h), whose blocks visit the keys the window spans and mask those at its edges.
   // The softcap's tanh, and dropout, in kernels of their own (host/launch.h's for_variant), so that the others carry no
-  // trace of them.
+  // trace of them; so do KV caches, contiguous and paged, with the key splits (for_kv_cache).
   for_variant(p, [&](auto variant) {
     constexpr Variant V = variant();
     if constexpr (has_options(V)) {
-      launch_fwd<typename FwdOptionsTraitsSelect<Element, kHeadDim>::type, false, false, V>(p, stream);
+      for_kv_cache<V>(p, [&](auto cache) {
+        launch_fwd<typename FwdOptionsTraitsSelect<Element, kHeadDim>::type, false, false, V, cache()>(p, stream);
+      });
     } else if (p.causal) {
       using Traits = typename FwdTraitsSelect<Element, kHeadDim, true>::type;
       launch_fwd<Traits, false, (Traits::kConsumerWarpgroups == 3), V>(p, stream);

@@ -1,5 +1,4 @@
-// Host side of the sm90 kernels' operands: which calls the kernels take, and the global tensors their TMA descriptors
-// are built over.
+// Host side of the sm90 kernels' operands: the global tensors their TMA descriptors are built over.
 #pragma once
 
 #include <algorithm>
@@ -13,18 +12,6 @@
 namespace cuteflash::sm90 {
 
 using namespace cute;
-
-// The calls the kernel computes (the registry's rule, python/cuteflash/_families.py, sends the others to the sm80
-// family): refuses the rest, naming what it lacks.
-inline void check_supported(FwdParams const& p, char const* direction) {
-  char const* missing = p.block_table != nullptr || p.seqused_k != nullptr ? "KV caches"
-                        : p.num_splits > 1                                 ? "key splits"
-                                                                           : nullptr;
-  if (missing != nullptr) {
-    throw std::invalid_argument(std::string("cuteflash: the sm90 ") + direction + " kernels do not compute " + missing +
-                                "; the sm80 family's kernels do (CUTEFLASH_BACKEND=auto or sm80)");
-  }
-}
 
 // A stride TMA can take for a mode of `extent` elements: a mode of one element is never stepped along, so any stride
 // serves (`packed`, that of a packed layout); TMA takes no stride of 0 (a broadcast view), which the caller copies.

@@ -94,8 +94,12 @@ struct FamilyTraits {
   // kernel after it). Calls its backward does not take run the sm80 family's, whose rule this is too.
   static constexpr bool kRowsumInDq = true;
   static_assert(kRowsumInDq == sm80::FamilyTraits::kRowsumInDq);
-  // The forward tile by which the tiled kernels' key splits are planned: KV-cache calls run the sm80 family's kernels.
-  static constexpr TileConfig split_tile(int head_dim) { return sm80::FamilyTraits::split_tile(head_dim); }
+  // The forward tile by which the tiled kernels' key splits are planned: that of the kernels with options, which read
+  // the KV caches (a block of 8 or more warps a multiprocessor).
+  static constexpr TileConfig split_tile(int head_dim) {
+    const Sm90FwdTile tile = sm90_fwd_options_tile(head_dim);
+    return TileConfig{tile.block_m, tile.block_n, tile.threads() / 32};
+  }
 };
 
 }  // namespace cuteflash::sm90

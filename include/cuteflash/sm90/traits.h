@@ -46,18 +46,38 @@ constexpr auto smem_atom() {
 
 // The global tensors the TMA descriptors span, (rows, head dim, heads, batch): a fixed-length batch's operands as they
 // are; a variable-length batch's as one batch of all its rows (total_q, total_k), each sequence's tiles offset by its
-// first row (Sequence::q_row0, k_row0). TMA brings the rows of a tile past its sequence's end from the next sequence
-// (or, past the operand's end, zeros); the producer zeroes those that a product would read (load_zeroing_tail).
+// first row (Sequence::q_row0, k_row0); a KV cache's keys and values as the cache (kv_rows rows of kv_batch batches),
+// each sequence's from its first key (k_row0, leftpad) of its cache batch (k_batch), or, paged, as the pages (page_size
+// rows of num_pages pages: load_paged_keys). TMA brings the rows of a tile past its sequence's end from the next
+// sequence, or the cache's rows past the sequence's keys (or, past the operand's end, zeros); the producer zeroes those
+// that a product would read (load_zeroing_tail).
 struct GmemExtent {
-  bool varlen;
-  int rows_q, rows_k, batch;
+  bool varlen;  // q (and k and v, but for a cache) of a variable-length batch
+  bool cache;   // k and v of a KV cache (params.h)
+  int rows_q, rows_k, batch_q, batch_k;
 
-  // varlen: p.cu_seqlens_q != nullptr (reads_varlen, in a kernel).
-  CUTE_HOST_DEVICE static GmemExtent of(FwdParams const& p, bool varlen) {
-    return {varlen, varlen ? p.total_q : p.seqlen_q, varlen ? p.total_k : p.seqlen_k, varlen ? 1 : p.batch};
+  // varlen: p.cu_seqlens_q != nullptr (reads_varlen, in a kernel), cache: p.seqused_k != nullptr, paged:
+  // p.block_table != nullptr too (KvCache).
+  CUTE_HOST_DEVICE static GmemExtent of(FwdParams const& p, bool varlen, bool cache, bool paged) {
+    return {varlen,
+            cache,
+            varlen ? p.total_q : p.seqlen_q,
+            paged    ? p.page_size
+            : cache  ? p.kv_rows
+            : varlen ? p.total_k
+                     : p.seqlen_k,
+            varlen ? 1 : p.batch,
+            paged    ? p.num_pages
+            : cache  ? p.kv_batch
+            : varlen ? 1
+                     : p.batch};
   }
-  // The batch index of the descriptors' tensors that holds batch b's (or, for k and v, kv batch b's) rows.
+  // The batch index of the descriptors' tensors that holds batch b's rows of q (and of k and v, but for a cache); of k
+  // and v, those of sequence seq.
   CUTE_HOST_DEVICE int batch_index(int b) const { return varlen ? 0 : b; }
+  CUTE_HOST_DEVICE int k_batch_index(Sequence const& seq) const { return varlen && !cache ? 0 : seq.k_batch; }
+  // Whether the rows of a key block past its sequence's keys may hold values other than zeros (load_zeroing_tail).
+  CUTE_HOST_DEVICE bool rows_past_keys() const { return varlen || cache; }
 };
 
 // Whether a kernel of variant V reads a variable-length batch: kVarlen always, kFixed never, a kernel with options
@@ -65,6 +85,17 @@ struct GmemExtent {
 template <Variant V>
 CUTE_HOST_DEVICE bool reads_varlen(FwdParams const& p) {
   return V == Variant::kVarlen || (has_options(V) && p.cu_seqlens_q != nullptr);
+}
+
+// The KV cache a forward kernel reads (params.h): none, or, in kernels of their own, a contiguous or a paged one
+// (fwd_launch.cuh's for_kv_cache: the variants that serve caches, sequence.cuh). Those kernels also split the keys
+// (splits_cache_keys), so that the kernels without a cache carry none of that code.
+enum class KvCache { kNone, kContiguous, kPaged };
+
+// Whether a kernel that reads cache C splits the keys of p (params.h's num_splits).
+template <KvCache C>
+CUTE_HOST_DEVICE bool splits_cache_keys(FwdParams const& p) {
+  return C != KvCache::kNone && p.num_splits > 1;
 }
 
 // Whether a block of a kernel of variant V may take several tiles (or key blocks), walking them within its sequence
@@ -122,9 +153,23 @@ struct FwdTraits {
                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
   using TmaVt = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor<GmemStrideVt>{}, take<0, 2>(SmemLayoutVt{}),
                                        Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
+  // A paged cache's keys and values: loads of kPageRows rows (a page holds a multiple of 16), over the tensors (page
+  // rows, head dim, heads, pages) of K and (head dim, page rows, heads, pages) of V^T, into a kPageRows-row slice of
+  // a buffer (whose swizzle repeats within it).
+  static constexpr int kPageRows = 16;
+  static_assert(kBlockN % kPageRows == 0 && kBlockN / kPageRows <= 32);  // a lane of the producer's warp per slice
+  using SmemLayoutKPage =
+      decltype(tile_to_shape(smem_atom<GMMA::Major::K, Element, kHeadDim>(), Shape<Int<kPageRows>, Int<kHeadDim>>{}));
+  using SmemLayoutVtPage = decltype(tile_to_shape(smem_atom<GMMA::Major::MN, Element, kHeadDim>(),
+                                                  Shape<Int<kHeadDim>, Int<kPageRows>>{}, Step<_2, _1>{}));
+  using TmaKPaged = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor<GmemStride>{}, SmemLayoutKPage{},
+                                           Shape<Int<kPageRows>, Int<kHeadDim>>{}, _1{}));
+  using TmaVtPaged = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor<GmemStrideVt>{}, SmemLayoutVtPage{},
+                                            Shape<Int<kHeadDim>, Int<kPageRows>>{}, _1{}));
   // The bytes each load brings (a TMA load counts the zeros it fills past the tensor's end too).
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kPageRowsBytes = kPageRows * kHeadDim * sizeof(Element);
 
   // O from shared memory to global memory, 16 bytes a thread, by one warpgroup: rows of 64 or 32 columns.
   static constexpr int kGmemThreadsPerRow = (kHeadDim % 64 == 0 ? 64 : 32) / 8;
