@@ -106,14 +106,10 @@ __device__ __forceinline__ void load_paged_keys(FwdParams const& p, Sequence con
       const int first = kRows * (__ffs(left) - 1);  // the slice's first row
       for (int c = lane; c < kRows * kChunks; c += 32) {
         const int r = first + c / kChunks, col = c % kChunks * 8, key = key0 + r;
+        // (null past the keys and for a page outside the cache)
+        Element const* src = paged_key<Element>(p, seq, t, head_k, key, key_page(p, seq, key, page_shift), page_shift);
         uint4 value = make_uint4(0, 0, 0, 0);
-        if (key < seq.seqlen_k && col < p.head_dim) {
-          const PagePlace place = page_place(p, seq, key, page_shift);
-          const int page = load_offset(place.entry);
-          if (unsigned(page) < unsigned(p.num_pages)) {
-            value = *reinterpret_cast<uint4 const*>(t.at<Element const>(page, head_k, place.in_page) + col);
-          }
-        }
+        if (src != nullptr && col < p.head_dim) value = *reinterpret_cast<uint4 const*>(src + col);
         *reinterpret_cast<uint4*>(at(r, col)) = value;
       }
     }
