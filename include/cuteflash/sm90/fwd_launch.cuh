@@ -82,7 +82,8 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
     constexpr Variant V = variant();
     if constexpr (has_options(V)) {
       for_kv_cache<V>(p, [&](auto cache) {
-        launch_fwd<typename FwdOptionsTraitsSelect<Element, kHeadDim>::type, false, false, V, cache()>(p, stream);
+        using Traits = typename FwdOptionsTraitsSelect<Element, kHeadDim, cache() == KvCache::kPaged>::type;
+        launch_fwd<Traits, false, false, V, cache()>(p, stream);
       });
     } else if (p.causal) {
       using Traits = typename FwdTraitsSelect<Element, kHeadDim, true>::type;

@@ -70,6 +70,15 @@ constexpr Sm90BwdTile sm90_bwd_tile(int head_dim) {
   return head_dim <= 64 ? Sm90BwdTile{128, 128, 2} : head_dim <= 128 ? Sm90BwdTile{64, 128, 2} : Sm90BwdTile{64, 64, 2};
 }
 
+// The forward tile of the kernels that read a paged cache: that of the kernels with options, with a third buffer of K
+// and of V where the shared memory holds it (head dims up to 128), so that the loads of a block's 16-row slices, each
+// behind its page's lookup, start a block earlier.
+constexpr Sm90FwdTile sm90_fwd_paged_tile(int head_dim) {
+  const Sm90FwdTile tile = sm90_fwd_options_tile(head_dim);
+  const Sm90FwdTile deeper{tile.block_m, tile.block_n, 3};
+  return deeper.smem_bytes(head_dim, 2) + 1024 <= kSmemSm90Bytes ? deeper : tile;
+}
+
 constexpr bool sm90_tiles_fit(int smem_bytes) {
   for (int head_dim : kHeadDims) {
     for (bool causal : {false, true}) {

@@ -316,10 +316,10 @@ struct FwdTraitsSelect {
   using type = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
 };
 
-// The traits of head dim kHeadDim's kernels with options (tiles.h).
-template <typename Element, int kHeadDim>
+// The traits of head dim kHeadDim's kernels with options, and of those that read a paged cache (tiles.h).
+template <typename Element, int kHeadDim, bool kPaged = false>
 struct FwdOptionsTraitsSelect {
-  static constexpr Sm90FwdTile kTile = sm90_fwd_options_tile(kHeadDim);
+  static constexpr Sm90FwdTile kTile = kPaged ? sm90_fwd_paged_tile(kHeadDim) : sm90_fwd_options_tile(kHeadDim);
   using type = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
 };
 
