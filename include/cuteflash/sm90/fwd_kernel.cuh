@@ -29,13 +29,24 @@
 namespace cuteflash::sm90 {
 
 // The kernel's argument: the TMA descriptors (which hold the operands' addresses) and the params.
-// kPaged: K and V of a paged cache, loaded kPageRows rows at a time (load_paged_keys).
-template <typename Traits, bool kPaged = false>
+// C (KvCache): a paged cache's K and V come kPageRows rows at a time (load_paged_keys), and, kPagedBlocks, a block at
+// a time where the block lies on one page (tma_k_block, tma_v_block).
+template <typename Traits, KvCache C>
 struct FwdArgs {
   typename Traits::TmaQ tma_q;
-  std::conditional_t<kPaged, typename Traits::TmaKPaged, typename Traits::TmaK> tma_k;
-  std::conditional_t<kPaged, typename Traits::TmaVtPaged, typename Traits::TmaVt> tma_v;
+  std::conditional_t<is_paged(C), typename Traits::TmaKPaged, typename Traits::TmaK> tma_k;
+  std::conditional_t<is_paged(C), typename Traits::TmaVtPaged, typename Traits::TmaVt> tma_v;
   FwdParams p;
+};
+
+template <typename Traits>
+struct FwdArgs<Traits, KvCache::kPagedBlocks> {
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaKPaged tma_k;
+  typename Traits::TmaVtPaged tma_v;
+  FwdParams p;
+  typename Traits::TmaK tma_k_block{};  // (set by launch_fwd)
+  typename Traits::TmaVt tma_v_block{};
 };
 
 // Named barriers (CUTLASS's user ids, 0-7), one of each per consumer warpgroup: its epilogue's, and its turn to issue
@@ -84,18 +95,30 @@ __device__ __forceinline__ PagedSlice paged_slice(FwdParams const& p, Sequence c
 }
 
 // A paged cache's key block [key0, key0 + kBlockN) of operand t (k or v) and key-value head head_k into a stage's
-// buffer, by the producer's warp: each lane's slice (paged_slice) by TMA (issue(g, page, row on the page)), or the
-// warp copies the slice itself (a slice across two pages, after cache_leftpad, or past the sequence's keys), 16 bytes
-// a lane, with zeros for the rows past the keys, the columns past the head dim and the pages outside the cache. The
-// buffer's barrier (full, one arrival) completes with the loads' bytes and the leader's arrival after the copies.
-// at(r, c): the buffer's address of row r, column c.
-template <typename Traits, typename Issue, typename At>
+// buffer, by the producer's warp: kBlocks, a block on one page by one TMA load (issue_block(page, row on the page));
+// else each lane's slice (paged_slice) by TMA (issue(g, page, row on the page)), or the warp copies the slice itself (a
+// slice across two pages, after cache_leftpad, or past the sequence's keys), 16 bytes a lane, with zeros for the rows
+// past the keys, the columns past the head dim and the pages outside the cache. The buffer's barrier (full, one
+// arrival) completes with the loads' bytes and the leader's arrival after the copies. at(r, c): the buffer's address
+// of row r, column c.
+template <typename Traits, bool kBlocks, typename IssueBlock, typename Issue, typename At>
 __device__ __forceinline__ void load_paged_keys(FwdParams const& p, Sequence const& seq, Operand const& t, int head_k,
                                                 int key0, int page_shift, PagedSlice const& slice, uint64_t* full,
-                                                Issue const& issue, At const& at) {
+                                                IssueBlock const& issue_block, Issue const& issue, At const& at) {
   using Element = typename Traits::Element;
   constexpr int kRows = Traits::kPageRows, kSlices = Traits::kBlockN / kRows, kChunks = Traits::kHeadDim / 8;
   const int lane = int(threadIdx.x % 32);
+  if constexpr (kBlocks) {
+    // The block on one page (lane 0's). (Not kept from paged_slice: the producer's few registers hold the slices.)
+    if (key0 + Traits::kBlockN <= seq.seqlen_k &&
+        page_place(p, seq, key0, page_shift).in_page + Traits::kBlockN <= p.page_size) {
+      if (lane == 0) {
+        ClusterTransactionBarrier::arrive_and_expect_tx(full, Traits::kKVBytes);
+        issue_block(slice.page, slice.in_page);
+      }
+      return;
+    }
+  }
   const uint32_t tma_slices = __ballot_sync(0xffffffffu, slice.by_tma);
   if (lane == 0) ClusterTransactionBarrier::expect_transaction(full, __popc(tma_slices) * Traits::kPageRowsBytes);
   __syncwarp();
@@ -126,14 +149,14 @@ __device__ __forceinline__ void load_paged_keys(FwdParams const& p, Sequence con
 // or a KV cache V's rows past the sequence's keys are zeroed (load_zeroing_tail; K's scores there are masked, and Q's
 // rows past the sequence are not stored). A paged cache (C): K and V by the warp (load_paged_keys).
 template <typename Traits, Variant V, KvCache C>
-__device__ __forceinline__ void load_tiles(FwdArgs<Traits, C == KvCache::kPaged> const& args,
-                                           typename Traits::SharedStorage& smem, Sequence const& seq, int head,
-                                           int m_block, BlockRange const& keys, RingState<1>& ring_q,
-                                           RingState<Traits::kStages>& ring, uint32_t& landed_phase, bool leader) {
+__device__ __forceinline__ void load_tiles(FwdArgs<Traits, C> const& args, typename Traits::SharedStorage& smem,
+                                           Sequence const& seq, int head, int m_block, BlockRange const& keys,
+                                           RingState<1>& ring_q, RingState<Traits::kStages>& ring,
+                                           uint32_t& landed_phase, bool leader) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   FwdParams const& p = args.p;
   const int head_k = head / (p.nheads / p.nheads_k);
-  const GmemExtent extent = GmemExtent::of(p, reads_varlen<V>(p), C != KvCache::kNone, C == KvCache::kPaged);
+  const GmemExtent extent = GmemExtent::of(p, reads_varlen<V>(p), C != KvCache::kNone, is_paged(C));
   Tensor mQ = args.tma_q.get_tma_tensor(make_shape(extent.rows_q, p.head_dim, p.nheads, extent.batch_q));
   Tensor mK = args.tma_k.get_tma_tensor(make_shape(extent.rows_k, p.head_dim, p.nheads_k, extent.batch_k));
   Tensor mVt = args.tma_v.get_tma_tensor(make_shape(p.head_dim, extent.rows_k, p.nheads_k, extent.batch_k));
@@ -155,8 +178,12 @@ __device__ __forceinline__ void load_tiles(FwdArgs<Traits, C == KvCache::kPaged>
          group_modes<0, 3>(tma_q.partition_D(sQ)));
   }
   ring_q.advance();
-  if constexpr (C == KvCache::kPaged) {
+  if constexpr (is_paged(C)) {
+    constexpr bool kBlocks = C == KvCache::kPagedBlocks;
     using Rows = Int<Traits::kPageRows>;
+    using BlockShapeK = Shape<Int<kBlockN>, Int<kHeadDim>>;
+    using BlockShapeVt = Shape<Int<kHeadDim>, Int<kBlockN>>;
+    // (The block loads' coordinates are those of mK and mVt: their descriptors span the same tensors.)
     const int page_shift = log2_page_size(p);
     // Each block's pages are looked up a block ahead, so that the reads of the block table run under the waits.
     PagedSlice next = paged_slice<Traits>(p, seq, (keys.end - 1) * kBlockN, page_shift);
@@ -165,8 +192,17 @@ __device__ __forceinline__ void load_tiles(FwdArgs<Traits, C == KvCache::kPaged>
       const PagedSlice slice = next;
       if (n_block > keys.begin) next = paged_slice<Traits>(p, seq, (n_block - 1) * kBlockN, page_shift);
       ClusterBarrier::wait(&smem.k_empty[stage], ring.phase ^ 1);
-      load_paged_keys<Traits>(
+      load_paged_keys<Traits, kBlocks>(
           p, seq, p.k, head_k, n_block * kBlockN, page_shift, slice, &smem.k_full[stage],
+          [&](int page, int row) {
+            if constexpr (kBlocks) {  // (whose args alone have tma_k_block)
+              Tensor src = local_tile(domain_offset(make_coord(row, _0{}), mK(_, _, head_k, page)), BlockShapeK{},
+                                      make_coord(0, 0));
+              auto tma = args.tma_k_block.get_slice(_0{});
+              copy(args.tma_k_block.with(smem.k_full[stage]), group_modes<0, 3>(tma.partition_S(src)),
+                   group_modes<0, 3>(tma.partition_D(sK(_, _, stage))));
+            }
+          },
           [&](int g, int page, int row) {
             Tensor src = local_tile(domain_offset(make_coord(row, _0{}), mK(_, _, head_k, page)),
                                     Shape<Rows, Int<kHeadDim>>{}, make_coord(0, 0));
@@ -176,8 +212,17 @@ __device__ __forceinline__ void load_tiles(FwdArgs<Traits, C == KvCache::kPaged>
           },
           [&](int r, int c) { return &sK(r, c, stage); });
       ClusterBarrier::wait(&smem.v_empty[stage], ring.phase ^ 1);
-      load_paged_keys<Traits>(
+      load_paged_keys<Traits, kBlocks>(
           p, seq, p.v, head_k, n_block * kBlockN, page_shift, slice, &smem.v_full[stage],
+          [&](int page, int row) {
+            if constexpr (kBlocks) {
+              Tensor src = local_tile(domain_offset(make_coord(_0{}, row), mVt(_, _, head_k, page)), BlockShapeVt{},
+                                      make_coord(0, 0));
+              auto tma = args.tma_v_block.get_slice(_0{});
+              copy(args.tma_v_block.with(smem.v_full[stage]), group_modes<0, 3>(tma.partition_S(src)),
+                   group_modes<0, 3>(tma.partition_D(sVt(_, _, stage))));
+            }
+          },
           [&](int g, int page, int row) {
             Tensor src = local_tile(domain_offset(make_coord(_0{}, row), mVt(_, _, head_k, page)),
                                     Shape<Int<kHeadDim>, Rows>{}, make_coord(0, 0));
@@ -486,7 +531,7 @@ __device__ __forceinline__ void compute_tile(FwdParams const& p, typename Traits
 // C: the KV cache it reads (kGeneral and kSoftcap: fwd_launch.cuh's for_kv_cache), whose keys it may split.
 template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, Variant V, KvCache C>
 static __global__ void __launch_bounds__(Traits::kNThreads, 1)
-    fwd_kernel(CUTLASS_GRID_CONSTANT FwdArgs<Traits, C == KvCache::kPaged> const args) {
+    fwd_kernel(CUTLASS_GRID_CONSTANT FwdArgs<Traits, C> const args) {
   static_assert(C == KvCache::kNone || (serves_caches(V) && walks_tiles(V)));  // (the producer's warp loads pages)
   extern __shared__ __align__(1024) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);

@@ -14,12 +14,13 @@ namespace cuteflash::sm90 {
 
 // kPersistent: a block per multiprocessor, each through its share of the tiles (TileScheduler); else a block per query
 // block of each (sequence, head). V: the kernel's variant (fwd_kernel; kFixed only is persistent). C: the KV cache it
-// reads; a paged one's descriptors span the pages and bring kPageRows rows at a time (load_paged_keys).
+// reads; a paged one's descriptors span the pages and bring kPageRows rows at a time (load_paged_keys), and, with
+// pages of a block or more, a block.
 template <typename Traits, bool kPersistent, bool kSkipAboveDiagonal, Variant V, KvCache C = KvCache::kNone>
 void launch_fwd(FwdParams const& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
-  constexpr bool kPaged = C == KvCache::kPaged;
+  constexpr bool kPaged = is_paged(C);
   constexpr int kRowsKV = kPaged ? Traits::kPageRows : Traits::kBlockN;  // the rows of k and v a load brings
   using SmemLayoutK = std::conditional_t<kPaged, typename Traits::SmemLayoutKPage,
                                          decltype(take<0, 2>(typename Traits::SmemLayoutK{}))>;
@@ -28,7 +29,7 @@ void launch_fwd(FwdParams const& p, cudaStream_t stream) {
   require_smem(Traits::kSmemBytes, "sm90 forward", kHeadDim);
   const int d = p.head_dim;
   const GmemExtent e = GmemExtent::of(p, p.cu_seqlens_q != nullptr, C != KvCache::kNone, kPaged);
-  FwdArgs<Traits, kPaged> args{
+  FwdArgs<Traits, C> args{
       make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.q, e.rows_q, d, p.nheads, e.batch_q, "q"),
                     typename Traits::SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.k, e.rows_k, d, p.nheads_k, e.batch_k, "k"),
@@ -36,6 +37,14 @@ void launch_fwd(FwdParams const& p, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<true, Element>(p.v, e.rows_k, d, p.nheads_k, e.batch_k, "v"),
                     SmemLayoutVt{}, Shape<Int<kHeadDim>, Int<kRowsKV>>{}, _1{}),
       p};
+  if constexpr (C == KvCache::kPagedBlocks) {  // a block on one page in one load (load_paged_keys)
+    args.tma_k_block =
+        make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.k, e.rows_k, d, p.nheads_k, e.batch_k, "k"),
+                      take<0, 2>(typename Traits::SmemLayoutK{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{});
+    args.tma_v_block =
+        make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<true, Element>(p.v, e.rows_k, d, p.nheads_k, e.batch_k, "v"),
+                      take<0, 2>(typename Traits::SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{}, _1{});
+  }
   dim3 grid = fwd_grid(p, kBlockM);
   if constexpr (kPersistent) {
     const int64_t tiles = int64_t(grid.x) * grid.y * grid.z;
@@ -47,10 +56,15 @@ void launch_fwd(FwdParams const& p, cudaStream_t stream) {
 }
 
 // Calls launch_for(std::integral_constant<KvCache, C>{}) with the KV cache C that a kernel of variant V reads for p:
-// kernels of their own for a contiguous and a paged cache (the variants that serve caches: sequence.cuh).
-template <Variant V, typename LaunchFor>
+// kernels of their own for a contiguous and a paged cache (the variants that serve caches: sequence.cuh), the latter
+// two: pages of kBlockN rows (the kernel's keys a block) or more, and smaller ones.
+template <Variant V, int kBlockN, typename LaunchFor>
 void for_kv_cache(FwdParams const& p, LaunchFor const& launch_for) {
   if constexpr (serves_caches(V)) {
+    if (p.block_table != nullptr && p.page_size >= kBlockN) {
+      launch_for(std::integral_constant<KvCache, KvCache::kPagedBlocks>{});
+      return;
+    }
     if (p.block_table != nullptr) {
       launch_for(std::integral_constant<KvCache, KvCache::kPaged>{});
       return;
@@ -81,8 +95,9 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
   for_variant(p, [&](auto variant) {
     constexpr Variant V = variant();
     if constexpr (has_options(V)) {
-      for_kv_cache<V>(p, [&](auto cache) {
-        using Traits = typename FwdOptionsTraitsSelect<Element, kHeadDim, cache() == KvCache::kPaged>::type;
+      using PagedTraits = typename FwdOptionsTraitsSelect<Element, kHeadDim, true>::type;
+      for_kv_cache<V, PagedTraits::kBlockN>(p, [&](auto cache) {
+        using Traits = typename FwdOptionsTraitsSelect<Element, kHeadDim, is_paged(cache())>::type;
         launch_fwd<Traits, false, false, V, cache()>(p, stream);
       });
     } else if (p.causal) {

@@ -89,8 +89,11 @@ CUTE_HOST_DEVICE bool reads_varlen(FwdParams const& p) {
 
 // The KV cache a forward kernel reads (params.h): none, or, in kernels of their own, a contiguous or a paged one
 // (fwd_launch.cuh's for_kv_cache: the variants that serve caches, sequence.cuh). Those kernels also split the keys
-// (splits_cache_keys), so that the kernels without a cache carry none of that code.
-enum class KvCache { kNone, kContiguous, kPaged };
+// (splits_cache_keys), so that the kernels without a cache carry none of that code. Paged: kPagedBlocks where a page
+// holds a key block or more, whose blocks that lie on one page come in one load, else kPaged (load_paged_keys).
+enum class KvCache { kNone, kContiguous, kPaged, kPagedBlocks };
+
+constexpr bool is_paged(KvCache c) { return c == KvCache::kPaged || c == KvCache::kPagedBlocks; }
 
 // Whether a kernel that reads cache C splits the keys of p (params.h's num_splits).
 template <KvCache C>
