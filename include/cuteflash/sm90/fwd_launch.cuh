@@ -29,21 +29,22 @@ void launch_fwd(FwdParams const& p, cudaStream_t stream) {
   require_smem(Traits::kSmemBytes, "sm90 forward", kHeadDim);
   const int d = p.head_dim;
   const GmemExtent e = GmemExtent::of(p, p.cu_seqlens_q != nullptr, C != KvCache::kNone, kPaged);
+  // The TMA loads of k and of V^T into `layout`, rows a load (an Int).
+  auto tma_k = [&](auto layout, auto rows) {
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.k, e.rows_k, d, p.nheads_k, e.batch_k, "k"),
+                         layout, Shape<decltype(rows), Int<kHeadDim>>{}, _1{});
+  };
+  auto tma_vt = [&](auto layout, auto rows) {
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<true, Element>(p.v, e.rows_k, d, p.nheads_k, e.batch_k, "v"),
+                         layout, Shape<Int<kHeadDim>, decltype(rows)>{}, _1{});
+  };
   FwdArgs<Traits, C> args{
       make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.q, e.rows_q, d, p.nheads, e.batch_q, "q"),
                     typename Traits::SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.k, e.rows_k, d, p.nheads_k, e.batch_k, "k"),
-                    SmemLayoutK{}, Shape<Int<kRowsKV>, Int<kHeadDim>>{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<true, Element>(p.v, e.rows_k, d, p.nheads_k, e.batch_k, "v"),
-                    SmemLayoutVt{}, Shape<Int<kHeadDim>, Int<kRowsKV>>{}, _1{}),
-      p};
+      tma_k(SmemLayoutK{}, Int<kRowsKV>{}), tma_vt(SmemLayoutVt{}, Int<kRowsKV>{}), p};
   if constexpr (C == KvCache::kPagedBlocks) {  // a block on one page in one load (load_paged_keys)
-    args.tma_k_block =
-        make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<false, Element>(p.k, e.rows_k, d, p.nheads_k, e.batch_k, "k"),
-                      take<0, 2>(typename Traits::SmemLayoutK{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{});
-    args.tma_v_block =
-        make_tma_copy(SM90_TMA_LOAD{}, gmem_tensor<true, Element>(p.v, e.rows_k, d, p.nheads_k, e.batch_k, "v"),
-                      take<0, 2>(typename Traits::SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<Traits::kBlockN>>{}, _1{});
+    args.tma_k_block = tma_k(take<0, 2>(typename Traits::SmemLayoutK{}), Int<Traits::kBlockN>{});
+    args.tma_v_block = tma_vt(take<0, 2>(typename Traits::SmemLayoutVt{}), Int<Traits::kBlockN>{});
   }
   dim3 grid = fwd_grid(p, kBlockM);
   if constexpr (kPersistent) {
@@ -61,12 +62,12 @@ void launch_fwd(FwdParams const& p, cudaStream_t stream) {
 template <Variant V, int kBlockN, typename LaunchFor>
 void for_kv_cache(FwdParams const& p, LaunchFor const& launch_for) {
   if constexpr (serves_caches(V)) {
-    if (p.block_table != nullptr && p.page_size >= kBlockN) {
-      launch_for(std::integral_constant<KvCache, KvCache::kPagedBlocks>{});
-      return;
-    }
     if (p.block_table != nullptr) {
-      launch_for(std::integral_constant<KvCache, KvCache::kPaged>{});
+      if (p.page_size >= kBlockN) {
+        launch_for(std::integral_constant<KvCache, KvCache::kPagedBlocks>{});
+      } else {
+        launch_for(std::integral_constant<KvCache, KvCache::kPaged>{});
+      }
       return;
     }
     if (p.seqused_k != nullptr) {
